@@ -1,0 +1,1 @@
+"""Pure-Python bookkeeping of PagedAttention's memory side: no torch, no ray."""

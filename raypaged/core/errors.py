@@ -1,0 +1,20 @@
+"""Exceptions the core raises. Each leaves the manager's state exactly as it was."""
+
+
+class RaypagedError(Exception):
+    """Base class of every error raypaged raises on purpose."""
+
+
+class InvalidRequestError(RaypagedError, ValueError):
+    """A request or its parameters can never be served (bad value, too long, duplicate id)."""
+
+
+class UnknownRequestError(RaypagedError, KeyError):
+    """An operation named a request id the engine does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class NoFreeBlocksError(RaypagedError):
+    """The block pool cannot satisfy an allocation right now (the scheduler preempts on it)."""

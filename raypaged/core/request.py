@@ -1,0 +1,76 @@
+"""A request's state as the scheduler sees it: tokens, progress, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from raypaged.core.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id (or a stop string, decided by the frontend)
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the client, the frontend or an error
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again, its KV freed; it recomputes prompt + outputs
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower is more important, as in vLLM; ties broken by arrival
+    cache_salt: str | None = None  # isolates prefix-cache entries between tenants
+    # n > 1: the prompt is prefilled once, then forked. Every sample of a group shares
+    # group_id (the id the client knows); sample i > 0 has request_id f"{group_id}#{i}".
+    group_id: str = ""
+    sample_index: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first schedule
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id (or string) that ended it
+    # Kept alongside prompt/output so the hot path never concatenates lists.
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
