@@ -1,0 +1,88 @@
+"""`raypaged generate`: one prompt through the offline engine, printed as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from raypaged.config import EngineConfig
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--n", type=int, default=1)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--logprobs", type=int, default=None)
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from raypaged.core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed,
+        stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("generate", help="generate a completion for one prompt",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--json", action="store_true", help="print token ids and text as JSON")
+    EngineConfig.add_cli_args(parser)
+    add_sampling_args(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from raypaged.core.errors import InvalidRequestError
+    from raypaged.llm import LLM
+
+    try:
+        params = sampling_params_from_args(args)
+        config = EngineConfig.from_cli_args(args)
+        config.validate()
+    except InvalidRequestError as e:
+        print(f"raypaged generate: {e}", file=sys.stderr)
+        return 2
+    kwargs = {k: v for k, v in vars(config).items() if k not in ("model", "tokenizer", "tensor_parallel_size")}
+    llm = LLM(config.model, tokenizer=config.tokenizer,
+              tensor_parallel_size=config.tensor_parallel_size, **kwargs)
+    try:
+        [result] = llm.generate(args.prompt, params)
+    except InvalidRequestError as e:
+        print(f"raypaged generate: {e}", file=sys.stderr)
+        return 2
+    finally:
+        llm.shutdown()
+    if args.json:
+        print(json.dumps({
+            "prompt": result.prompt,
+            "prompt_token_ids": result.prompt_token_ids,
+            "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                         "logprobs": ([{str(k): v for k, v in lp.items()} for lp in o.logprobs]
+                                      if o.logprobs else None)}
+                        for o in result.outputs],
+        }))
+    else:
+        for o in result.outputs:
+            prefix = f"[{o.index}] " if len(result.outputs) > 1 else ""
+            print(f"{prefix}{result.prompt}{o.text}")
+    return 0

@@ -1,0 +1,133 @@
+"""EngineCore: the loop at the centre. One step = schedule → execute → update.
+
+It owns the scheduler (and through it the KV block manager) and an executor that drives the
+workers. It knows nothing of text: requests arrive as token ids and leave as token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from raypaged.config import EngineConfig
+from raypaged.core.errors import UnknownRequestError
+from raypaged.core.outputs import EngineCoreOutput
+from raypaged.core.request import Request
+from raypaged.core.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the engine and the frontend need to know of the model, read from config.json."""
+
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "ModelInfo":
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        eos = config.get("eos_token_id")
+        generation_config = os.path.join(model_dir, "generation_config.json")
+        if os.path.exists(generation_config):  # generation_config overrides, as in transformers
+            with open(generation_config) as f:
+                eos = json.load(f).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_dir=model_dir,
+            architecture=(config.get("architectures") or ["?"])[0],
+            vocab_size=config["vocab_size"],
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            eos_token_ids=eos_ids,
+        )
+
+
+def resolve_model_dir(config: EngineConfig) -> str:
+    if config.model is not None:
+        return config.model
+    from raypaged.demo import demo_model_path
+
+    return demo_model_path()
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.model_dir = resolve_model_dir(config)
+        self.model_info = ModelInfo.from_model_dir(self.model_dir)
+        self.max_model_len = config.max_model_len or self.model_info.max_position_embeddings
+        if self.max_model_len > self.model_info.max_position_embeddings:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                           self.max_model_len, self.model_info.max_position_embeddings)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
+            else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
+
+        if executor_class is None:
+            from raypaged.executor.uniproc import UniprocExecutor as executor_class
+        self.executor = executor_class(config, self.model_dir)
+        self.num_blocks = self.executor.determine_num_blocks(self.max_model_len,
+                                                             self.max_num_batched_tokens)
+        self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            max_waiting_requests=config.max_waiting_requests,
+        ))
+        self._pending_outputs: list[EngineCoreOutput] = []
+        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_info.architecture, self.num_blocks, config.block_size,
+                    self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (its sampling params already validated). EOS comes from the model
+        unless the caller set one; a model with several EOS ids stops on any of them."""
+        eos_ids = self.model_info.eos_token_ids
+        if request.eos_token_id is None and eos_ids:
+            request.eos_token_id = eos_ids[0]
+            extra = tuple(t for t in eos_ids[1:] if t not in request.sampling_params.stop_token_ids)
+            if extra and not request.sampling_params.ignore_eos:
+                request.sampling_params = dataclasses.replace(
+                    request.sampling_params,
+                    stop_token_ids=request.sampling_params.stop_token_ids + extra)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort what is still held; ids that already finished are a benign race, not an error.
+        The abort records go out with the next step's outputs."""
+        for request_id in request_ids:
+            try:
+                self._pending_outputs.extend(self.scheduler.abort_requests([request_id]))
+            except UnknownRequestError:
+                pass
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.executor.execute_model(scheduler_output)
+        outputs.extend(self.scheduler.update_from_output(scheduler_output, model_output))
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

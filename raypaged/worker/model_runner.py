@@ -1,0 +1,179 @@
+"""ModelRunner: applies each SchedulerOutput to the persistent batch, runs the model, samples.
+
+One step: drop finished requests → add new ones → apply the cached requests' diffs → copy-on-write
+block copies → build input ids, positions, slot mapping, block tables and sequence lengths →
+forward (each attention layer writes K/V by slot mapping, then reads the pool through the block
+tables) → logits of the requests that reached their last token → sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.core.sampling_params import SamplingParams
+from raypaged.kernels import ops
+from raypaged.model.attention import AttentionMetadata
+from raypaged.worker.block_table import BlockTable
+from raypaged.worker.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs the worker has been told of, by position
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    row: int  # its row in the BlockTable
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, max_model_len: int, vocab_size: int, device: torch.device,
+                 is_driver: bool = True) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.is_driver = is_driver  # rank 0 samples; the other ranks only run the forward
+        self.requests: dict[str, CachedRequestState] = {}
+        self.block_table = BlockTable(max_blocks_per_req=-(-max_model_len // block_size))
+        self.sampler = Sampler()
+
+    # ---- applying the diff -------------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.block_table.free_row(state.row)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                row=self.block_table.add_row(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        cached = out.scheduled_cached_reqs
+        for req_id, token_ids, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            tokens = state.token_ids
+            # Positional write: the diff carries the tokens at [num_computed, +len).
+            end = num_computed + len(token_ids)
+            if end > len(tokens):
+                tokens.extend([0] * (end - len(tokens)))
+            tokens[num_computed:end] = token_ids
+            state.num_computed_tokens = num_computed
+            self.block_table.append(state.row, block_ids)
+        if out.block_copies:
+            ops.copy_blocks(
+                [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                torch.tensor(out.block_copies, dtype=torch.int64, device=self.device),
+            )
+
+    # ---- building the step's inputs ------------------------------------------------------------
+    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[list[CachedRequestState], torch.Tensor,
+                                                            torch.Tensor, AttentionMetadata]:
+        # Single-token requests first: the decode kernel takes them, paged prefill the rest.
+        scheduled = sorted(out.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        states = [self.requests[req_id] for req_id, _ in scheduled]
+        counts = [n for _, n in scheduled]
+        num_decodes = next((i for i, n in enumerate(counts) if n != 1), len(counts))
+
+        input_ids: list[int] = []
+        starts: list[int] = []
+        for state, n in zip(states, counts):
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start : start + n])
+            starts.append(start)
+        num_tokens = len(input_ids)
+        query_lens = torch.tensor(counts, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        seq_lens = torch.tensor(starts, dtype=torch.int32) + query_lens
+        # positions: for each token, its request's start + its index within the request's chunk
+        req_of_token = torch.repeat_interleave(torch.arange(len(counts)), query_lens.long())
+        offsets = torch.arange(num_tokens, dtype=torch.int64) - query_start_loc[:-1].long()[req_of_token]
+        positions = torch.tensor(starts, dtype=torch.int64)[req_of_token] + offsets
+        block_tables = self.block_table.gather([s.row for s in states])
+        slot_mapping = (block_tables[req_of_token, positions // self.block_size].long() * self.block_size
+                        + positions % self.block_size)
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            seq_lens=seq_lens.to(dev, non_blocking=True),
+            query_start_loc=query_start_loc.to(dev, non_blocking=True),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            max_query_len=max(counts),
+            max_seq_len=int(seq_lens.max()),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        return states, ids, positions.to(dev, non_blocking=True), metadata
+
+    # ---- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput() if self.is_driver else None
+        states, input_ids, positions, metadata = self._prepare_inputs(out)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+
+        # Requests whose step reaches their last known token produce a sample; a prefill chunk
+        # that stops short of it does not.
+        sample_rows: list[int] = []  # index into hidden of each sampled row's last token
+        row_states: list[CachedRequestState] = []
+        sample_indices: list[int] = []
+        cursor = 0
+        for state, n in ((s, out.num_scheduled_tokens[s.req_id]) for s in states):
+            cursor += n
+            if state.num_computed_tokens + n < len(state.token_ids):
+                continue
+            # n > 1 samples are drawn from the prompt's logits once, then the request forks.
+            fan_out = state.sampling_params.n if len(state.token_ids) == state.num_prompt_tokens else 1
+            for index in range(fan_out):
+                sample_rows.append(cursor - 1)
+                row_states.append(state)
+                sample_indices.append(index)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)]) \
+            if sample_rows else None
+        if not self.is_driver:
+            return None
+
+        result = ModelRunnerOutput(
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=[[] for _ in states],
+            logprobs=[None for _ in states],
+        )
+        if logits is None:
+            return result
+        sampling_metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in row_states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in row_states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in row_states],
+            vocab_size=self.vocab_size,
+            device=logits.device,
+            sample_indices=sample_indices,
+        )
+        sampled = self.sampler(logits, sampling_metadata)
+        token_ids = sampled.sampled_token_ids.tolist()
+        row_logprobs = sampled.logprobs_as_dicts() if sampled.logprobs is not None else None
+        position = {req_id: i for i, req_id in enumerate(result.req_ids)}
+        for row, state in enumerate(row_states):
+            i = position[state.req_id]
+            result.sampled_token_ids[i].append(token_ids[row])
+            if row_logprobs is not None and state.sampling_params.logprobs is not None:
+                if result.logprobs[i] is None:
+                    result.logprobs[i] = []
+                result.logprobs[i].append(row_logprobs[row])
+        return result

@@ -1,0 +1,154 @@
+"""Worker: one per device. Sets up the device and process group, loads this rank's shard of the
+model, sizes the KV pool by profiling, allocates it, and runs the ModelRunner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from raypaged.config import EngineConfig
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.kernels import ops
+from raypaged.model import parallel
+from raypaged.model.config import ModelConfig
+from raypaged.model.loader import load_model
+from raypaged.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_dir: str, rank: int = 0, world_size: int = 1,
+                 distributed_init_method: str | None = None, local_rank: int = 0) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.local_rank = local_rank
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+
+    # ---- set-up, in the order the executor calls it ------------------------------------------
+    def init_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.config.attention_backend is not None:
+            ops.set_backend(self.config.attention_backend)
+        if self.world_size > 1:
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
+                                    init_method=self.distributed_init_method, rank=self.rank,
+                                    world_size=self.world_size)
+            parallel.init_tensor_parallel()
+        else:
+            parallel.reset_tensor_parallel()
+        torch.manual_seed(self.config.seed)
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
+                                load_format=self.config.load_format, seed=self.config.seed)
+
+    def bytes_per_block(self) -> int:
+        mc = self.model_config
+        kv_heads = mc.num_kv_heads_per_rank(self.world_size)
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.config.block_size * kv_heads * mc.head_dim * element
+
+    def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """How many KV blocks this rank can hold; the executor takes the minimum over ranks."""
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        per_block = self.bytes_per_block()
+        if self.device.type != "cuda":
+            budget = self.config.kv_cache_memory_bytes or 256 * 2**20
+            return max(1, budget // per_block)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        available = self.config.gpu_memory_utilization * total - peak
+        torch.cuda.empty_cache()
+        num_blocks = int(available // per_block)
+        logger.info("KV profiling: peak %.2f GiB of %.2f GiB, %d blocks of %d bytes", peak / 2**30,
+                    total / 2**30, num_blocks, per_block)
+        if num_blocks < 1:
+            raise RuntimeError("no memory is left for the KV cache: lower max_num_batched_tokens, "
+                               "or raise gpu_memory_utilization")
+        return num_blocks
+
+    def _profile_run(self, num_tokens: int) -> None:
+        """A forward at the largest batch the scheduler may send, on a one-block pool that is
+        never written (slot -1), so the peak covers activations, logits and sampling."""
+        from raypaged.model.attention import AttentionMetadata
+
+        mc = self.model_config
+        kv_heads = mc.num_kv_heads_per_rank(self.world_size)
+        caches = [(torch.zeros(1, self.config.block_size, kv_heads, mc.head_dim, dtype=self.dtype,
+                               device=self.device),) * 2 for _ in range(mc.num_hidden_layers)]
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        per_seq = num_tokens // num_seqs
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((per_seq * num_seqs,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((num_seqs,), min(per_seq, self.config.block_size), dtype=torch.int32,
+                                device=dev),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=dev) * per_seq,
+            num_decodes=num_seqs if per_seq == 1 else 0,
+            num_decode_tokens=num_seqs if per_seq == 1 else 0,
+            max_query_len=per_seq,
+            max_seq_len=min(per_seq, self.config.block_size),
+        )
+        with torch.inference_mode():
+            ids = torch.zeros(per_seq * num_seqs, dtype=torch.int64, device=dev)
+            positions = torch.arange(per_seq, device=dev).repeat(num_seqs) % self.config.block_size
+            hidden = self.model(ids, positions, caches, metadata)
+            rows = torch.arange(num_seqs, device=dev) * per_seq + per_seq - 1
+            logits = self.model.compute_logits(hidden[rows])
+            torch.softmax(logits.float(), dim=-1)  # the sampler's largest temporary
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        mc = self.model_config
+        kv_heads = mc.num_kv_heads_per_rank(self.world_size)
+        shape = (num_blocks, self.config.block_size, kv_heads, mc.head_dim)
+        kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                      torch.zeros(shape, dtype=self.dtype, device=self.device))
+                     for _ in range(mc.num_hidden_layers)]
+        self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, max_model_len,
+                                  vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0)
+
+    # ---- per step ----------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        parallel.reset_tensor_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.runner = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
