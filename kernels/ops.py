@@ -1,0 +1,129 @@
+"""The attention ops the model calls: one signature, two backends.
+
+"triton" runs the kernels in this package (on CUDA, or on CPU under TRITON_INTERPRET=1);
+"torch" runs the references (the CPU serving path). Choice, first match wins:
+  1. set_backend("torch" | "triton")   (set_backend("auto") clears it)
+  2. env RAYPAGED_ATTENTION_BACKEND
+  3. "triton" for CUDA tensors, "torch" otherwise
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+BACKENDS = ("torch", "triton")
+ENV_VAR = "RAYPAGED_ATTENTION_BACKEND"
+_override: str | None = None
+
+
+def set_backend(name: str) -> None:
+    """Force a backend for every later call in this process; "auto" restores the default."""
+    global _override
+    if name == "auto":
+        _override = None
+        return
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS} or 'auto'")
+    _override = name
+
+
+def backend_for(tensor: torch.Tensor) -> str:
+    """The backend a call on `tensor` would use now."""
+    if _override is not None:
+        return _override
+    env = os.environ.get(ENV_VAR)
+    if env:
+        if env not in BACKENDS:
+            raise ValueError(f"{ENV_VAR}={env!r}; expected one of {BACKENDS}")
+        return env
+    return "triton" if tensor.is_cuda else "torch"
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value [T, Hkv, D] at slot_mapping [T] (block_id*B + offset; -1 = skip)."""
+    if backend_for(key) == "torch":
+        reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        return
+    from .write_kv import write_kv_triton
+
+    write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query per request over its paged context. q [S, Hq, D] -> [S, Hq, D].
+
+    max_seq_len: a host-side bound on seq_lens that sizes the split-K grid (default: the block
+    table's capacity). Pass a fixed value when capturing a CUDA graph.
+    """
+    if backend_for(q) == "torch":
+        result = reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return _into(out, result)
+    from .paged_decode import paged_decode_triton
+
+    return paged_decode_triton(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, max_seq_len=max_seq_len
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention of new tokens q [T, Hq, D] over cached prefix + themselves."""
+    if backend_for(q) == "torch":
+        result = reference.paged_prefill_ref(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+        )
+        return _into(out, result)
+    from .paged_prefill import paged_prefill_triton
+
+    return paged_prefill_triton(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+    )
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_copies: torch.Tensor
+) -> None:
+    """Copy-on-write of whole blocks, rows (src, dst) of block_copies [N, 2] int64, every layer.
+
+    One gather + scatter per pool on either backend: it runs once per fork, not per token.
+    """
+    reference.copy_blocks_ref(k_caches, v_caches, block_copies)
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    if out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(
+            f"out must be {tuple(result.shape)} {result.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    out.copy_(result)
+    return out

@@ -1,0 +1,189 @@
+"""Torch references for the paged-attention kernels.
+
+They are the test oracle for the Triton kernels and the CPU serving path for tiny models, so they
+are vectorised per request (one gather and two matmuls per request, no per-token loops) and they
+never let a NaN from an unused slot reach the arithmetic: each request gathers exactly its valid
+positions before any matmul.
+
+Shapes (Hq query heads, Hkv KV heads, Hq % Hkv == 0, D head dim, B block size):
+  k_cache, v_cache   [num_blocks, B, Hkv, D]
+  block_tables       [S, max_blocks] int32   logical block i of request s -> physical block id
+  seq_lens           [S] int32               context length incl. the tokens being computed
+  slot_mapping       [T] int64               block_id * B + offset, -1 for padding
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .validation import (
+    check_cache_pair,
+    check_decode_inputs,
+    check_prefill_inputs,
+    check_write_inputs,
+    check_table_contents,
+)
+
+
+def write_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value [T, Hkv, D] into the pools at slot_mapping; slot -1 writes nothing."""
+    check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    block_size = k_cache.shape[1]
+    capacity = k_cache.shape[0] * block_size
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    # Checked before any write so that bad input changes no state.
+    if slots.numel() and int(slots.max()) >= capacity:
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())} >= pool capacity {capacity}")
+    if slots.numel() and int(torch.unique(slots).numel()) != slots.numel():
+        raise ValueError("slot_mapping writes the same slot twice")
+    if (slot_mapping < -1).any():
+        raise ValueError("slot_mapping entries must be >= -1")
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced indexing on (block, offset) works for any cache strides (no flat view needed).
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+
+
+def _gather_context(
+    cache: torch.Tensor, block_row: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first `length` positions of one request, [length, Hkv, D], read through its blocks."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = block_row[:num_blocks].long()
+    # Slicing to `length` before any arithmetic drops the unused tail of the last block.
+    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first_query_pos: int,
+    scale: float,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Causal GQA attention of q [n, Hq, D] at positions first_query_pos.. over k/v [L, Hkv, D]."""
+    n, num_heads, head_dim = q.shape
+    length, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qg = q.to(compute_dtype).reshape(n, num_kv_heads, group, head_dim)
+    kc, vc = k.to(compute_dtype), v.to(compute_dtype)
+    scores = torch.einsum("nhgd,lhd->hgnl", qg, kc).float() * scale
+    query_pos = first_query_pos + torch.arange(n, device=q.device)
+    key_pos = torch.arange(length, device=q.device)
+    future = key_pos[None, :] > query_pos[:, None]
+    scores.masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(compute_dtype)
+    out = torch.einsum("hgnl,lhd->nhgd", probs, vc)
+    return out.reshape(n, num_heads, head_dim)
+
+
+def _request_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    length: int,
+    scale: float,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One request's new queries q [n, Hq, D] (the last n of its `length` positions)."""
+    if q.shape[0] > length:
+        raise ValueError(f"{q.shape[0]} new tokens but seq_len is only {length}")
+    if length == 0:  # an empty (padding) request attends to nothing
+        return torch.zeros_like(q)
+    k = _gather_context(k_cache, block_row, length)
+    v = _gather_context(v_cache, block_row, length)
+    return _attend(q, k, v, length - q.shape[0], scale, compute_dtype).to(q.dtype)
+
+
+def paged_prefill_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Varlen causal attention of new tokens over cached prefix + themselves.
+
+    q [T, Hq, D]; query_start_loc [S+1] int32; seq_lens [S] int32 (prefix + new tokens, all
+    already in the cache). Query i of request s sits at position seq_lens[s] - q_len_s + i.
+    compute_dtype sets the matmul precision (softmax is always fp32): float32 is the oracle;
+    the input dtype gives a same-precision baseline to judge a low-precision kernel's error.
+    Returns [T, Hq, D] in q's dtype.
+    """
+    check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1])
+    if starts[0] != 0 or starts[-1] != q.shape[0] or any(a > b for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"query_start_loc must rise from 0 to {q.shape[0]}, got {starts}")
+    out = torch.empty_like(q)
+    for s, length in enumerate(lengths):
+        rows = slice(starts[s], starts[s + 1])
+        out[rows] = _request_attention(
+            q[rows], k_cache, v_cache, block_tables[s], length, scale, compute_dtype
+        )
+    return out
+
+
+def paged_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """One query token per request (its last position, already written). q [S, Hq, D].
+
+    A request with seq_len 0 (batch padding) gets zeros.
+    """
+    check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    lengths = seq_lens.tolist()
+    check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1])
+    out = torch.empty_like(q)
+    for s, length in enumerate(lengths):
+        out[s : s + 1] = _request_attention(
+            q[s : s + 1], k_cache, v_cache, block_tables[s], length, scale, compute_dtype
+        )
+    return out
+
+
+def copy_blocks_ref(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    block_copies: torch.Tensor,
+) -> None:
+    """Copy-on-write: for each row (src, dst) of block_copies [N, 2] int64, in every layer's pool."""
+    if len(k_caches) != len(v_caches):
+        raise ValueError(f"{len(k_caches)} key pools but {len(v_caches)} value pools")
+    if block_copies.dim() != 2 or block_copies.shape[1] != 2:
+        raise ValueError(f"block_copies must be [N, 2], got {tuple(block_copies.shape)}")
+    if block_copies.numel() == 0:
+        return
+    for k_cache, v_cache in zip(k_caches, v_caches):
+        check_cache_pair(k_cache, v_cache)
+    num_blocks = k_caches[0].shape[0] if k_caches else 0
+    if k_caches and (int(block_copies.min()) < 0 or int(block_copies.max()) >= num_blocks):
+        raise ValueError(f"block_copies ids must be in [0, {num_blocks})")
+    if int(torch.unique(block_copies[:, 1]).numel()) != block_copies.shape[0]:
+        raise ValueError("block_copies names the same destination twice")
+    for cache in (*k_caches, *v_caches):
+        index = block_copies.to(cache.device)
+        # index_select gathers every source before any destination is overwritten.
+        cache.index_copy_(0, index[:, 1], cache.index_select(0, index[:, 0]))

@@ -1,0 +1,119 @@
+"""Input checks shared by the references and the Triton launchers.
+
+The shape/dtype/device checks read no tensor data, so the Triton path stays free of host
+synchronisation (and CUDA-graph capturable). `check_table_contents` does read data: the torch
+references call it, the Triton launchers do not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"KV cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"KV cache dtypes must match and be one of {SUPPORTED_DTYPES}, "
+            f"got {k_cache.dtype}/{v_cache.dtype}"
+        )
+    if k_cache.device != v_cache.device:
+        raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV cache head_dim must be contiguous (stride 1)")
+
+
+def _check_index(name: str, tensor: torch.Tensor, dim: int, dtypes: tuple, device) -> None:
+    if tensor.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dims, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        raise ValueError(f"{name} must be one of {dtypes}, got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{name} on {tensor.device}, expected {device}")
+
+
+def _check_queries(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if q.device != k_cache.device:
+        raise ValueError(f"q on {q.device} but cache on {k_cache.device}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(
+            f"num query heads {q.shape[1]} is not a multiple of num kv heads {k_cache.shape[2]}"
+        )
+    if q.stride(-1) != 1:
+        raise ValueError("q head_dim must be contiguous (stride 1)")
+
+
+def check_write_inputs(key, value, k_cache, v_cache, slot_mapping) -> None:
+    check_cache_pair(k_cache, v_cache)
+    expected = (key.shape[0], *k_cache.shape[2:])
+    if tuple(key.shape) != expected or tuple(value.shape) != expected:
+        raise ValueError(
+            f"key/value must be {expected}, got {tuple(key.shape)}/{tuple(value.shape)}"
+        )
+    if key.device != k_cache.device or value.device != k_cache.device:
+        raise ValueError("key/value and the cache must be on the same device")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key/value head_dim must be contiguous (stride 1)")
+    _check_index("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), k_cache.device)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+
+
+def check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    check_cache_pair(k_cache, v_cache)
+    _check_queries(q, k_cache)
+    _check_index("block_tables", block_tables, 2, (torch.int32,), q.device)
+    _check_index("seq_lens", seq_lens, 1, (torch.int32,), q.device)
+    if block_tables.shape[0] != q.shape[0] or seq_lens.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"{q.shape[0]} queries but block_tables has {block_tables.shape[0]} rows "
+            f"and seq_lens {seq_lens.shape[0]}"
+        )
+
+
+def check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:
+    check_cache_pair(k_cache, v_cache)
+    _check_queries(q, k_cache)
+    _check_index("block_tables", block_tables, 2, (torch.int32,), q.device)
+    _check_index("seq_lens", seq_lens, 1, (torch.int32,), q.device)
+    _check_index("query_start_loc", query_start_loc, 1, (torch.int32,), q.device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{num_seqs} seq_lens need query_start_loc of {num_seqs + 1} and block_tables of "
+            f"{num_seqs} rows, got {query_start_loc.shape[0]} and {block_tables.shape[0]}"
+        )
+
+
+def check_table_contents(
+    block_tables: torch.Tensor, seq_lens: list[int], num_blocks: int, block_size: int
+) -> None:
+    """Every length fits its table row and every block it uses exists. Reads data (syncs)."""
+    max_blocks = block_tables.shape[1]
+    lengths = torch.tensor(seq_lens, dtype=torch.int64, device=block_tables.device)
+    if lengths.numel() == 0:
+        return
+    if int(lengths.min()) < 0:
+        raise ValueError("seq_lens must be >= 0")
+    if int(lengths.max()) > max_blocks * block_size:
+        raise ValueError(
+            f"seq_len {int(lengths.max())} exceeds block table capacity {max_blocks * block_size}"
+        )
+    needed = torch.arange(max_blocks, device=block_tables.device)[None, :] * block_size < lengths[:, None]
+    used = block_tables[needed]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise ValueError(f"block_tables uses block ids outside [0, {num_blocks})")

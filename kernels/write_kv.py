@@ -1,0 +1,82 @@
+"""Triton kernel: store each new token's K and V into its slot of the paged pools."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .validation import check_write_inputs
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_key_tok,
+    stride_key_head,
+    stride_value_tok,
+    stride_value_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+    # int64 throughout: block * stride overflows int32 on pools past 2^31 elements.
+    cache_offsets = block * stride_cache_block + offset * stride_cache_slot + heads * stride_cache_head + dims
+    k = tl.load(key_ptr + token * stride_key_tok + heads * stride_key_head + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_value_tok + heads * stride_value_head + dims, mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value [T, Hkv, D] at slot_mapping [T]; -1 writes nothing. No host sync."""
+    check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
