@@ -1,0 +1,239 @@
+"""Triton paged prefill / extend: varlen causal attention over a cached prefix and new tokens.
+
+One kernel serves first prefill, chunked prefill and prefix-cache hits: request s has
+seq_lens[s] positions in the cache, the last q_len_s of which are its new tokens (already
+written). Flash-attention style: a program owns BLOCK_M new tokens of one request and one query
+head, and streams that request's K/V in BLOCK_N-token tiles through the block table with an
+online softmax. Tiles wholly before the program's first query need no causal mask and run in a
+separate loop; only the diagonal tiles pay for masking.
+
+The grid is (num_tokens // BLOCK_M + num_seqs, num_q_heads): an upper bound on the query tiles
+of any varlen batch of that many tokens and requests, so it depends on shapes only. Request s
+owns tile indices from query_start_loc[s] // BLOCK_M + s on; each program finds its request by
+binary search and exits if its tile is past the request's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_decode import LOG2_E
+from .validation import check_prefill_inputs
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row,
+    head_offset,
+    query_pos,
+    kv_from,
+    kv_to,
+    scale_log2,
+    stride_cache_block,
+    stride_cache_slot,
+    dims,
+    dim_ok,
+    CAUSAL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update over key positions [kv_from, kv_to), masked causally if CAUSAL."""
+    for tile_start in range(kv_from, kv_to, BLOCK_N):
+        key_pos = tile_start + tl.arange(0, BLOCK_N)
+        key_ok = key_pos < kv_to
+        # Masked lanes never load: unused slots and table entries may hold anything (NaN).
+        blocks = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offsets = blocks * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + head_offset
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if CAUSAL:
+            visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        else:
+            visible = key_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Rows that have seen no visible key yet keep m = -inf; subtracting 0 keeps them NaN-free.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale_log2,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_seq,
+    stride_out_tok,
+    stride_out_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Heaviest (latest) tiles first: under causality they stream the most keys.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+
+    # Largest s with query_start_loc[s] // BLOCK_M + s <= tile.
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        mid_first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        lo = tl.where(mid_first_tile <= tile, mid, lo)
+        hi = tl.where(mid_first_tile <= tile, hi, mid)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    m_start = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    if m_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = m_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    tokens = (q_start + rows).to(tl.int64)
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + dims[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    query_pos = prefix_len + rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    head_offset = (head // GROUP).to(tl.int64) * stride_cache_head
+    # Every key before the tile's first query is visible to all its rows.
+    unmasked_end = ((prefix_len + m_start) // BLOCK_N) * BLOCK_N
+    kv_end = prefix_len + tl.minimum(m_start + BLOCK_M, q_len)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
+        0, unmasked_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
+        CAUSAL=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
+        unmasked_end, kv_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
+        CAUSAL=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+    )
+
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * stride_out_tok + head * stride_out_head + dims[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tile sizes and warps measured best on the H200 (benchmarks/bench_kernels.py).
+
+    The CPU interpreter runs every program in numpy: small tiles keep tests fast there.
+    """
+    if device.type != "cuda":
+        return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+
+
+def paged_prefill_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Varlen causal paged attention, q [T, Hq, D] -> [T, Hq, D]. No host synchronisation.
+
+    block_m / block_n / num_warps / num_stages override the tuned defaults (benchmarks, tests).
+    """
+    check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous head_dim")
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    config = default_launch_config(head_dim, q.dtype, q.device)
+    block_m = block_m or config["block_m"]
+    block_n = block_n or config["block_n"]
+    grid = (num_tokens // block_m + num_seqs, num_q_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2_E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or config["num_warps"],
+        num_stages=num_stages or config["num_stages"],
+    )
+    return out
