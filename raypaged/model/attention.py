@@ -1,0 +1,118 @@
+"""Paged attention layer and the per-step metadata every layer shares.
+
+A step's tokens arrive flattened: decode requests first (one token each), then prefill/extend
+requests (a chunk of new tokens each, attending to their cached prefix). Each layer writes the
+step's K/V into the paged pool by slot, then runs the decode kernel on the first part and the
+prefill kernel on the rest, both writing into one output tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from raypaged.kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the ModelRunner; read by every attention layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset; -1 = do not write
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32: context incl. this step's tokens
+    query_start_loc: torch.Tensor  # [S+1] int32: cu_seqlens of this step's tokens
+    num_decodes: int  # requests 0..num_decodes-1 have exactly one new token
+    num_decode_tokens: int  # == num_decodes; kept separate for the kernels' sake
+    max_query_len: int  # host ints, for kernel launch sizing
+    max_seq_len: int
+
+    # The prefill part's views, computed once here rather than in every layer.
+    prefill_block_tables: torch.Tensor = field(init=False, repr=False)
+    prefill_seq_lens: torch.Tensor = field(init=False, repr=False)
+    prefill_query_start_loc: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        num_seqs = self.seq_lens.shape[0]
+        if self.query_start_loc.shape[0] != num_seqs + 1:
+            raise ValueError(
+                f"query_start_loc has {self.query_start_loc.shape[0]} entries for {num_seqs} "
+                "sequences; expected num_seqs + 1"
+            )
+        if self.block_tables.shape[0] != num_seqs:
+            raise ValueError(
+                f"block_tables has {self.block_tables.shape[0]} rows for {num_seqs} sequences"
+            )
+        if not 0 <= self.num_decodes <= num_seqs or self.num_decode_tokens != self.num_decodes:
+            raise ValueError(
+                f"num_decodes {self.num_decodes} / num_decode_tokens {self.num_decode_tokens} "
+                f"invalid for {num_seqs} sequences (decodes carry exactly one token each)"
+            )
+        d = self.num_decodes
+        self.prefill_block_tables = self.block_tables[d:]
+        self.prefill_seq_lens = self.seq_lens[d:]
+        self.prefill_query_start_loc = self.query_start_loc[d:] - self.num_decode_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes
+
+
+class PagedAttention(nn.Module):
+    """softmax(q kᵀ · scale) v over this rank's heads, reading K/V from the paged pool."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        k_cache, v_cache = kv_cache
+        if k_cache.shape[2:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"KV cache holds {tuple(k_cache.shape[2:])} (heads, head_dim) per slot; this rank's "
+                f"attention needs ({self.num_kv_heads}, {self.head_dim})"
+            )
+        ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+        out = torch.empty_like(query)
+        num_decode_tokens = meta.num_decode_tokens
+        if meta.num_decodes:
+            ops.paged_decode(
+                query[:num_decode_tokens],
+                k_cache,
+                v_cache,
+                meta.block_tables[: meta.num_decodes],
+                meta.seq_lens[: meta.num_decodes],
+                self.scale,
+                out=out[:num_decode_tokens],
+                max_seq_len=meta.max_seq_len,
+            )
+        if meta.num_prefills:
+            ops.paged_prefill(
+                query[num_decode_tokens:],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_seq_lens,
+                self.scale,
+                out=out[num_decode_tokens:],
+            )
+        return out

@@ -1,0 +1,225 @@
+"""ModelConfig: what the decoder, the loader and the worker need from a Hugging Face config.json.
+
+Parsed by hand (not through `transformers.AutoConfig`) so that every field we rely on is checked
+here once, with an error naming the field, and so that both config layouts are understood:
+transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architectures the decoder in llama.py serves; the names as config.json's "architectures" lists them.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ModelConfigError(ValueError):
+    """config.json describes a model this decoder cannot serve, or is malformed."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear: positions are divided by it; llama3: low-frequency divisor
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    # Longest sequence (prompt + output) served. Never above the sliding window: within the window
+    # full causal attention *is* sliding-window attention, beyond it we would need the window.
+    max_model_len: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # the checkpoint's dtype, used for load dtype "auto"
+    model_dir: str | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, max_model_len: int | None = None) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"no config.json in {model_dir}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(raw, max_model_len=max_model_len, model_dir=str(model_dir))
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], max_model_len: int | None = None, model_dir: str | None = None
+    ) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not supported:
+            raise ModelConfigError(
+                f"unknown architecture {archs or '(none given)'}: raypaged serves "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        architecture = supported[0]
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"hidden_act {act!r} is not supported (only 'silu', SwiGLU)")
+
+        hidden = _positive_int(raw, "hidden_size")
+        heads = _positive_int(raw, "num_attention_heads")
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
+        max_pos = _positive_int(raw, "max_position_embeddings")
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(raw.get("attention_bias", False))
+
+        sliding_window = _sliding_window(raw, is_qwen2)
+        limit = min(max_pos, sliding_window) if sliding_window else max_pos
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len < 1:
+            raise ModelConfigError(f"max_model_len must be positive, got {max_model_len}")
+        elif sliding_window and max_model_len > sliding_window:
+            raise ModelConfigError(
+                f"max_model_len {max_model_len} exceeds the sliding window {sliding_window}: "
+                "sliding-window attention is not implemented; use max_model_len <= "
+                f"{sliding_window}"
+            )
+        elif max_model_len > max_pos:
+            raise ModelConfigError(
+                f"max_model_len {max_model_len} exceeds max_position_embeddings {max_pos}"
+            )
+
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        return cls(
+            architecture=architecture,
+            model_type=str(raw.get("model_type", "")),
+            hidden_size=hidden,
+            intermediate_size=_positive_int(raw, "intermediate_size"),
+            num_hidden_layers=_positive_int(raw, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=_positive_int(raw, "vocab_size"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope_config(raw, max_pos, head_dim),
+            max_position_embeddings=max_pos,
+            max_model_len=max_model_len,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers all four.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(raw.get("mlp_bias", False)) and not is_qwen2,
+            sliding_window=sliding_window,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=dtype if dtype in CHECKPOINT_DTYPES else "float32",
+            model_dir=model_dir,
+        )
+
+    # -- tensor-parallel shapes ---------------------------------------------------------------
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise unless this model can be split over `tp` ranks."""
+        if tp < 1:
+            raise ModelConfigError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.num_attention_heads % tp:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"tensor_parallel_size {tp}"
+            )
+        kv = self.num_key_value_heads
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ModelConfigError(
+                f"num_key_value_heads {kv} and tensor_parallel_size {tp}: one must divide the other"
+            )
+        if self.intermediate_size % tp:
+            raise ModelConfigError(
+                f"intermediate_size {self.intermediate_size} is not divisible by "
+                f"tensor_parallel_size {tp}"
+            )
+
+    def num_heads_per_rank(self, tp: int) -> int:
+        self.check_tensor_parallel(tp)
+        return self.num_attention_heads // tp
+
+    def num_kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads each rank holds (and allocates cache for): replicated when tp > kv heads."""
+        self.check_tensor_parallel(tp)
+        return max(1, self.num_key_value_heads // tp)
+
+
+def _positive_int(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelConfigError(f"config.json field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _sliding_window(raw: dict[str, Any], is_qwen2: bool) -> int | None:
+    # Qwen2 stores a window even when it is switched off by use_sliding_window.
+    if is_qwen2 and not raw.get("use_sliding_window", False):
+        return None
+    window = raw.get("sliding_window")
+    return int(window) if window else None
+
+
+def _rope_config(raw: dict[str, Any], max_pos: int, head_dim: int) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ModelConfigError("per-layer-type rope_parameters are not supported")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+    if head_dim % 2:
+        raise ModelConfigError(f"head_dim {head_dim} must be even for rotary embeddings")
+    try:
+        if rope_type == "linear":
+            return RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(params["factor"]))
+        if rope_type == "llama3":
+            return RopeConfig(
+                theta=float(theta),
+                rope_type=rope_type,
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    params.get("original_max_position_embeddings", max_pos)
+                ),
+            )
+    except KeyError as e:
+        raise ModelConfigError(f"{rope_type} rope scaling is missing {e.args[0]!r}") from e
+    return RopeConfig(theta=float(theta), rope_type=rope_type)

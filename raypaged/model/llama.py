@@ -1,0 +1,224 @@
+"""The Llama-family decoder: Llama 2/3, Mistral and Qwen2 share one implementation.
+
+What differs between them is configuration only (read by ModelConfig): Qwen2 has q/k/v biases,
+Llama may have attention/MLP biases, llama3 rope scaling, tied embeddings. Mistral's sliding
+window never applies because ModelConfig caps max_model_len at the window.
+
+Checkpoint names are Hugging Face's; `checkpoint_tensors()` maps each one to the layer (and the
+shard of a merged weight) that loads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, PagedAttention
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from .parallel import get_tp_size
+from .rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
+        )
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+        self.attn = PagedAttention(
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            config.head_dim,
+            scale=config.head_dim**-0.5,
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one GEMM."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=config.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can add-then-normalise in one go.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """Where one checkpoint tensor goes: `module.load_weight(param, shard, source)`."""
+
+    module: nn.Module
+    param: str
+    shard: object = None
+
+
+# Checkpoint projection name -> (our merged module, shard id).
+_MERGED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.check_tensor_parallel(get_tp_size())
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
+        if len(kv_caches) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"{len(kv_caches)} KV caches for {self.config.num_hidden_layers} layers"
+            )
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden_size] -> logits [S, vocab_size] over the full vocabulary."""
+        return self.lm_head.compute_logits(hidden)
+
+    def checkpoint_tensors(self) -> dict[str, CheckpointTarget]:
+        """Every tensor the checkpoint must hold, by its Hugging Face name."""
+        targets: dict[str, CheckpointTarget] = {
+            "model.embed_tokens.weight": CheckpointTarget(self.model.embed_tokens, "weight"),
+            "model.norm.weight": CheckpointTarget(self.model.norm, "weight"),
+        }
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = CheckpointTarget(self.lm_head, "weight")
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{i}"
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                targets[f"{prefix}.{norm}.weight"] = CheckpointTarget(getattr(layer, norm), "weight")
+            blocks = {"self_attn": layer.self_attn, "mlp": layer.mlp}
+            projections = {
+                "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                "mlp": ("gate_proj", "up_proj", "down_proj"),
+            }
+            for block_name, names in projections.items():
+                for name in names:
+                    module_name, shard = _MERGED.get(name, (name, None))
+                    module = getattr(blocks[block_name], module_name)
+                    for param in ("weight", "bias"):
+                        if getattr(module, param, None) is not None:
+                            targets[f"{prefix}.{block_name}.{name}.{param}"] = CheckpointTarget(
+                                module, param, shard
+                            )
+        return targets
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES

@@ -1,0 +1,73 @@
+"""Rotary position embedding (NeoX / Hugging Face "rotate half" layout) with default, linear and
+llama3 frequency scaling.
+
+cos/sin are computed per step from the positions instead of looked up in a precomputed
+[max_position, head_dim] table: the cost is T·D/2 cosines (negligible next to attention), there is
+no table to size against max_position_embeddings, and the arithmetic is exactly Hugging Face's
+(fp32 `position * inv_freq`, then cast to the activation dtype), so fp32 logits match it tightly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import RopeConfig
+
+
+def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """[head_dim / 2] fp32 inverse frequencies, computed as transformers computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths (low frequencies) are divided by `factor`, short ones kept, and the band in
+    # between interpolated smoothly (Llama 3.1's long-context recipe).
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # Not a parameter and not in the checkpoint; kept fp32 whatever the model dtype.
+        self.register_buffer(
+            "inv_freq", rope_inverse_frequencies(head_dim, rope).to(torch.get_default_device()),
+            persistent=False,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query [T, Hq, D]; key [T, Hkv, D] -> rotated (query, key)."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = angles.cos().to(query.dtype)[:, None, :]
+        sin = angles.sin().to(query.dtype)[:, None, :]
+        return (
+            query * cos + _rotate_half(query) * sin,
+            key * cos + _rotate_half(key) * sin,
+        )
