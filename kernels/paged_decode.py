@@ -13,17 +13,14 @@ With one split, stage 1 writes the output directly and stage 2 is skipped.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from .triton_common import LOG2_E, dot, dot_mode, num_sms
 from .validation import check_decode_inputs
-
-LOG2_E = 1.4426950408889634
-
 
 @triton.jit
 def _decode_split_kernel(
@@ -51,7 +48,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -90,14 +87,14 @@ def _decode_split_kernel(
         offsets = blocks * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot + head_offset
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = dot(q, tl.trans(k), DOT_MODE) * scale_log2
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
         m_i = m_new
 
     # l_i == 0 only for an empty (seq_len 0) sequence: its output is zeros.
@@ -153,18 +150,6 @@ def _decode_merge_kernel(
         result.to(out_ptr.dtype.element_ty),
         mask=dims < HEAD_DIM,
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of `device`; a nominal 4 for the CPU interpreter."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # Each split should stream at least this many tokens, or the merge costs more than it saves.
@@ -268,7 +253,7 @@ def paged_decode_triton(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         MAX_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_MODE=dot_mode(q),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
     )

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import LOG2_E
+from .triton_common import LOG2_E, dot, dot_mode
 from .validation import check_prefill_inputs
 
 
@@ -44,7 +44,7 @@ def _attend_tiles(
     CAUSAL: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr,
 ):
     """Online-softmax update over key positions [kv_from, kv_to), masked causally if CAUSAL."""
     for tile_start in range(kv_from, kv_to, BLOCK_N):
@@ -55,7 +55,7 @@ def _attend_tiles(
         offsets = blocks * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + head_offset
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = dot(q, tl.trans(k), DOT_MODE) * scale_log2
         if CAUSAL:
             visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
         else:
@@ -68,7 +68,7 @@ def _attend_tiles(
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -98,7 +98,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_MODE: tl.constexpr,
 ):
     # Heaviest (latest) tiles first: under causality they stream the most keys.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -145,12 +145,12 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         0, unmasked_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        CAUSAL=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        CAUSAL=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         unmasked_end, kv_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        CAUSAL=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        CAUSAL=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
     )
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -164,10 +164,10 @@ def _prefill_kernel(
 def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Tile sizes and warps measured best on the H200 (benchmarks/bench_kernels.py).
 
-    The CPU interpreter runs every program in numpy: small tiles keep tests fast there.
+    The CPU interpreter pays per program and per loop step, not per element: big tiles there.
     """
     if device.type != "cuda":
-        return {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1}
     if dtype == torch.float32:
         return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
     return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
@@ -232,7 +232,7 @@ def paged_prefill_triton(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_MODE=dot_mode(q),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
     )

@@ -98,7 +98,7 @@ def _request_attention(
     """One request's new queries q [n, Hq, D] (the last n of its `length` positions)."""
     if q.shape[0] > length:
         raise ValueError(f"{q.shape[0]} new tokens but seq_len is only {length}")
-    if length == 0:  # an empty (padding) request attends to nothing
+    if length == 0:
         return torch.zeros_like(q)
     k = _gather_context(k_cache, block_row, length)
     v = _gather_context(v_cache, block_row, length)
@@ -158,6 +158,9 @@ def paged_decode_ref(
     check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1])
     out = torch.empty_like(q)
     for s, length in enumerate(lengths):
+        if length == 0:  # batch padding attends to nothing
+            out[s] = 0
+            continue
         out[s : s + 1] = _request_attention(
             q[s : s + 1], k_cache, v_cache, block_tables[s], length, scale, compute_dtype
         )

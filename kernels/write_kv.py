@@ -25,13 +25,16 @@ def _write_kv_kernel(
     stride_cache_head,
     num_kv_heads,
     head_dim,
+    capacity,
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padding token
+    # -1 marks a padding token. Out-of-pool slots are the caller's bug; checking them on the host
+    # would cost a sync, so the kernel at least never writes outside the pool.
+    if (slot < 0) | (slot >= capacity):
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -75,6 +78,7 @@ def write_kv_triton(
         k_cache.stride(2),
         num_kv_heads,
         head_dim,
+        k_cache.shape[0] * k_cache.shape[1],
         BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),

@@ -1,0 +1,48 @@
+"""Pieces shared by the Triton attention kernels: the dot-product mode and the SM count."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+def dot_mode(x: torch.Tensor) -> str:
+    """How `dot` multiplies tiles of x's dtype on x's device.
+
+    fp32 asks for IEEE products (Triton's default is tf32, ~3e-4 relative: over the 1e-4
+    budget). The CPU interpreter (Triton 3.9) multiplies bf16 tiles as their raw uint16 bits,
+    so there they are widened to fp32 first: the products are exact either way, as on the GPU.
+    """
+    if x.dtype == torch.float32:
+        return "ieee"
+    if x.dtype == torch.bfloat16 and x.device.type != "cuda":
+        return "widen"
+    return "native"
+
+
+@triton.jit
+def dot(a, b, MODE: tl.constexpr):
+    """a @ b with fp32 accumulation, as `dot_mode` chose."""
+    if MODE == "widen":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif MODE == "ieee":
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device`; a nominal 4 for the CPU interpreter."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

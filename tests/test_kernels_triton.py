@@ -1,0 +1,350 @@
+"""Triton kernels against the torch references (themselves checked in test_kernels_reference).
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); tests marked `gpu` repeat
+the checks on CUDA in bf16 at larger sizes (scripts/gpu_kernels.sh). Every batch comes from
+`random_paged_batch`: permuted block ids from a pool 4x larger than needed, NaN in every slot a
+kernel must not read, and NaN in the output buffer before the launch, so an unwritten output
+element or a stray read fails.
+
+Tolerances: fp32 ≤ 1e-4 relative per (token, head) row against the fp32 reference. fp16/bf16:
+within 2x (+1e-3) of the error that the same reference computed in that dtype makes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raypaged.kernels import ops
+from raypaged.kernels.paged_decode import choose_num_splits, paged_decode_triton
+from raypaged.kernels.paged_prefill import paged_prefill_triton
+from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref, write_kv_ref
+from raypaged.kernels.testing import query_start_loc, random_paged_batch, relative_error_per_row
+from raypaged.kernels.write_kv import write_kv_triton
+
+ODD_LENS = [1, 17, 100, 513]
+
+
+def assert_matches_reference(out, reference_fn, dtype):
+    """reference_fn(compute_dtype) -> the reference output computed at that precision."""
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel output"
+    error = relative_error_per_row(out, reference_fn(torch.float32)).max().item()
+    if dtype == torch.float32:
+        assert error <= 1e-4, error
+    else:
+        baseline = relative_error_per_row(
+            reference_fn(dtype), reference_fn(torch.float32)
+        ).max().item()
+        assert error <= 2 * baseline + 1e-3, (error, baseline)
+
+
+def check_decode(seq_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
+                 dtype=torch.float32, device="cpu", seed=0, layout="separate", **kernel_args):
+    gen = torch.Generator().manual_seed(seed)
+    batch = random_paged_batch(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
+                               layout=layout, generator=gen)
+    q = torch.randn((len(seq_lens), num_kv_heads * group, head_dim), generator=gen).to(dtype).to(device)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.full_like(q, float("nan"))
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale)
+    result = paged_decode_triton(q, *args, out=out, **kernel_args)
+    assert result is out
+    assert_matches_reference(
+        out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd), dtype
+    )
+
+
+def check_prefill(seq_lens, query_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
+                  dtype=torch.float32, device="cpu", seed=0, **kernel_args):
+    gen = torch.Generator().manual_seed(seed)
+    batch = random_paged_batch(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
+                               generator=gen)
+    q = torch.randn((sum(query_lens), num_kv_heads * group, head_dim), generator=gen)
+    q = q.to(dtype).to(device)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.full_like(q, float("nan"))
+    args = (batch.k_cache, batch.v_cache, batch.block_tables,
+            query_start_loc(query_lens, device), batch.seq_lens, scale)
+    paged_prefill_triton(q, *args, out=out, **kernel_args)
+    assert_matches_reference(
+        out, lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), dtype
+    )
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_fp32_gqa_split_and_no_split(group, num_splits):
+    check_decode(ODD_LENS, group, num_splits=num_splits, seed=group * 10 + num_splits)
+
+
+@pytest.mark.parametrize(
+    "dtype, block_size, head_dim",
+    [(torch.bfloat16, 8, 128), (torch.float16, 32, 128), (torch.bfloat16, 16, 64)],
+)
+def test_decode_half_precision_with_chosen_splits(dtype, block_size, head_dim):
+    # num_splits left to the heuristic: max_seq_len 513 over 2 seqs x 2 heads -> 2 splits.
+    check_decode(ODD_LENS[1:], 4, dtype=dtype, block_size=block_size, head_dim=head_dim,
+                 max_seq_len=513)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "interleaved"])
+def test_decode_follows_cache_strides(layout):
+    check_decode([33, 70], 4, layout=layout, num_splits=2)
+
+
+def test_decode_more_splits_than_tiles_and_small_tiles():
+    # 64 splits over at most 9 tiles: most programs exit at once, the merge must skip them.
+    check_decode([5, 130], 2, block_size=32, num_splits=64, tile_n=16)
+
+
+def test_decode_empty_request_gives_zeros_on_both_paths():
+    for num_splits in (1, 4):
+        batch = random_paged_batch([0, 9], 1, 64, 8)
+        q = torch.randn(2, 4, 64)
+        out = paged_decode_triton(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                  batch.seq_lens, 0.1, num_splits=num_splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.isfinite(out[1]).all()
+
+
+def test_decode_reads_strided_queries_and_writes_strided_out():
+    batch = random_paged_batch([20, 3], 2, 64, 8)
+    qkv = torch.randn(2, 3, 8, 64)  # q is a non-contiguous slice, as from a fused QKV
+    q = qkv[:, 0]
+    out_buffer = torch.full((2, 2, 8, 64), float("nan"))
+    out = out_buffer[:, 1]
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    paged_decode_triton(q, *args, out=out, num_splits=2)
+    expected = paged_decode_ref(q, *args)
+    assert relative_error_per_row(out, expected).max() <= 1e-4
+    assert out_buffer[:, 0].isnan().all()  # nothing written outside `out`
+
+
+def test_split_heuristic_fills_the_card_and_respects_lengths():
+    assert choose_num_splits(1, 8, 32768, 132) == 64  # few programs, long context: split a lot
+    assert choose_num_splits(256, 8, 1024, 132) == 1  # 2048 programs already
+    assert choose_num_splits(1, 8, 300, 132) == 1  # too short to be worth a split
+    for args in [(8, 8, 8192, 132), (64, 8, 4096, 132), (3, 2, 100000, 4)]:
+        n = choose_num_splits(*args)
+        assert n & (n - 1) == 0 and 1 <= n <= 64
+
+
+# ---------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_fp32_fresh_chunked_and_prefix_hit(group):
+    # Request 0: fresh prefill. 1: a chunk after a cached prefix. 2: one token (decode-like).
+    # 3: nothing new this step. 4: long prefix hit, 100 new tokens.
+    seq_lens = [17, 100, 40, 9, 513]
+    query_lens = [17, 37, 1, 0, 100]
+    check_prefill(seq_lens, query_lens, group, seed=group)
+
+
+@pytest.mark.parametrize("block_m, block_n, block_size", [(16, 16, 32), (16, 32, 8), (32, 16, 16)])
+def test_prefill_tile_shapes_against_page_size(block_m, block_n, block_size):
+    check_prefill([1, 45, 70], [1, 45, 33], 2, block_size=block_size,
+                  block_m=block_m, block_n=block_n)
+
+
+@pytest.mark.parametrize("dtype, block_size", [(torch.bfloat16, 16), (torch.float16, 8)])
+def test_prefill_half_precision(dtype, block_size):
+    check_prefill([100, 513], [100, 64], 4, head_dim=128, dtype=dtype, block_size=block_size)
+
+
+# ---------------------------------------------------------------- KV write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    pools = [torch.full((40, 16, 2, 64), float("nan"), dtype=dtype) for _ in range(4)]
+    key = torch.randn((30, 2, 64), generator=gen).to(dtype)
+    value = torch.randn((30, 2, 64), generator=gen).to(dtype)
+    slots = torch.randperm(40 * 16, generator=gen)[:30]
+    slots[::7] = -1  # padding tokens
+    write_kv_triton(key, value, pools[0], pools[1], slots)
+    write_kv_ref(key, value, pools[2], pools[3], slots)
+    assert torch.equal(pools[0].isnan(), pools[2].isnan())
+    assert torch.equal(pools[0].nan_to_num(), pools[2].nan_to_num())
+    assert torch.equal(pools[1].nan_to_num(), pools[3].nan_to_num())
+
+
+def test_write_kv_never_writes_outside_the_pool():
+    pools = [torch.zeros(4, 8, 1, 64) for _ in range(2)]
+    write_kv_triton(torch.ones(2, 1, 64), torch.ones(2, 1, 64), *pools, torch.tensor([32, 5]))
+    assert pools[0][0, 5].eq(1).all() and int(pools[0].count_nonzero()) == 64
+
+
+# ---------------------------------------------------------------- int64 offsets
+
+
+@pytest.fixture(scope="module")
+def huge_pool_batch():
+    """Block ids past 2^21 in a pool whose block stride is 1024 elements: offsets > 2^31.
+
+    K and V share one interleaved buffer (fp16, block 8, 1 KV head, head_dim 64): 4.3 GB of
+    address space, of which the OS backs only the pages the test touches.
+    """
+    block_stride = 8 * 2 * 1 * 64
+    num_blocks = 2**31 // block_stride + 64
+    batch = random_paged_batch([100, 1, 33], 1, 64, 8, torch.float16, num_blocks=num_blocks,
+                               high_block_ids=True, layout="interleaved",
+                               generator=torch.Generator().manual_seed(7))
+    offsets = batch.block_tables.long() * batch.k_cache.stride(0)
+    assert int(offsets.max()) > 2**31 and int(offsets.min()) < 2**31
+    return batch
+
+
+def test_decode_and_prefill_offsets_past_int32(huge_pool_batch):
+    b = huge_pool_batch
+    q = torch.randn(3, 4, 64, dtype=torch.float16)
+    args = (b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 0.125)
+    for num_splits in (1, 2):
+        out = paged_decode_triton(q, *args, num_splits=num_splits)
+        assert_matches_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
+                                 torch.float16)
+    qp = torch.randn(134, 4, 64, dtype=torch.float16)
+    pargs = (b.k_cache, b.v_cache, b.block_tables, query_start_loc([100, 1, 33]), b.seq_lens, 0.125)
+    out = paged_prefill_triton(qp, *pargs)
+    assert_matches_reference(out, lambda cd: paged_prefill_ref(qp, *pargs, compute_dtype=cd),
+                             torch.float16)
+
+
+def test_write_kv_offsets_past_int32(huge_pool_batch):
+    b = huge_pool_batch
+    top = b.k_cache.shape[0] - 1
+    slots = torch.tensor([top * 8 + 7, -1, (top - 3) * 8])
+    key = torch.randn(3, 1, 64, dtype=torch.float16)
+    value = torch.randn(3, 1, 64, dtype=torch.float16)
+    write_kv_triton(key, value, b.k_cache, b.v_cache, slots)
+    assert torch.equal(b.k_cache[top, 7], key[0]) and torch.equal(b.v_cache[top - 3, 0], value[2])
+
+
+# ---------------------------------------------------------------- dispatch and validation
+
+
+def test_ops_dispatch_to_triton():
+    batch = random_paged_batch([12, 30], 2, 64, 16)
+    q = torch.randn(2, 4, 64)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    ops.set_backend("triton")
+    try:
+        out = ops.paged_decode(q, *args, max_seq_len=30)
+        qp = torch.randn(42, 4, 64)
+        pargs = (batch.k_cache, batch.v_cache, batch.block_tables, query_start_loc([12, 30]),
+                 batch.seq_lens, 0.125)
+        prefill = ops.paged_prefill(qp, *pargs)
+    finally:
+        ops.set_backend("auto")
+    assert relative_error_per_row(out, paged_decode_ref(q, *args)).max() <= 1e-4
+    assert relative_error_per_row(prefill, paged_prefill_ref(qp, *pargs)).max() <= 1e-4
+
+
+def test_launchers_reject_bad_input_before_launching():
+    batch = random_paged_batch([12], 2, 64, 16)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_triton(torch.randn(1, 3, 64), *args)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_triton(torch.randn(1, 4, 64), *args, num_splits=3)
+    out = torch.full((1, 4, 32), float("nan"))
+    with pytest.raises(ValueError, match="out must be"):
+        paged_decode_triton(torch.randn(1, 4, 64), *args, out=out)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_prefill_triton(torch.randn(12, 4, 64), batch.k_cache, batch.v_cache,
+                             batch.block_tables, query_start_loc([6, 6]), batch.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv_triton(torch.randn(2, 2, 64), torch.randn(2, 2, 64), batch.k_cache,
+                        batch.v_cache, torch.tensor([0]))
+    assert out.isnan().all()
+
+
+# ---------------------------------------------------------------- exhaustive grid (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_exhaustive_grid(dtype, head_dim, block_size, group):
+    seed = head_dim + block_size + group
+    for num_splits in (1, 2, 8):
+        check_decode(ODD_LENS, group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                     num_splits=num_splits, seed=seed)
+    check_prefill([513, 100, 17, 1], [200, 100, 5, 1], group, head_dim=head_dim,
+                  block_size=block_size, dtype=dtype, seed=seed)
+
+
+# ---------------------------------------------------------------- on the GPU (bf16)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_gpu_decode_bf16(group, block_size):
+    lens = [1, 17, 100, 513, 4097, 8190, 33, 2048]
+    for num_splits in (None, 1, 8):
+        check_decode(lens, group, num_kv_heads=8, head_dim=128, block_size=block_size,
+                     dtype=torch.bfloat16, device="cuda", num_splits=num_splits, seed=group)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_prefill_bf16(group, head_dim):
+    check_prefill([1, 17, 513, 2100, 900], [1, 17, 300, 2100, 1], group, num_kv_heads=4,
+                  head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=group)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_write_kv_and_int64_offsets():
+    block_stride = 16 * 8 * 128
+    num_blocks = 2**31 // block_stride + 256
+    batch = random_paged_batch([700, 33, 1], 8, 128, 16, torch.bfloat16, "cuda",
+                               num_blocks=num_blocks, high_block_ids=True)
+    assert int(batch.block_tables.long().max()) * block_stride > 2**31
+    q = torch.randn(3, 32, 128, dtype=torch.bfloat16, device="cuda")
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 128**-0.5)
+    for num_splits in (1, 4):
+        out = paged_decode_triton(q, *args, num_splits=num_splits)
+        assert_matches_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
+                                 torch.bfloat16)
+    slots = batch.block_tables[0, :3].long() * 16 + 5
+    key = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
+    write_kv_triton(key, key, batch.k_cache, batch.v_cache, slots)
+    assert torch.equal(batch.k_cache[batch.block_tables[0, :3].long(), 5], key)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_replays_in_a_cuda_graph():
+    """Captured once with a fixed max_seq_len, replayed on new lengths: grid never depends on data."""
+    batch = random_paged_batch([3000, 3000, 3000, 3000], 8, 128, 16, torch.bfloat16, "cuda")
+    q = torch.randn(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    seq_lens = batch.seq_lens.clone()
+    out = torch.empty_like(q)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables)
+    paged_decode_triton(q, *args, seq_lens, 0.088, out=out, max_seq_len=3000)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_triton(q, *args, seq_lens, 0.088, out=out, max_seq_len=3000)
+    for lens in ([3000, 1, 17, 2500], [5, 2999, 1000, 64]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_matches_reference(
+            out, lambda cd: paged_decode_ref(q, *args, seq_lens, 0.088, compute_dtype=cd),
+            torch.bfloat16,
+        )
