@@ -18,3 +18,8 @@ class UnknownRequestError(RaypagedError, KeyError):
 
 class NoFreeBlocksError(RaypagedError):
     """The block pool cannot satisfy an allocation right now (the scheduler preempts on it)."""
+
+
+class QueueFullError(InvalidRequestError):
+    """The waiting queue is at its bound (SchedulerConfig.max_waiting_requests): try again later.
+    The frontend maps it to RESOURCE_EXHAUSTED rather than INVALID_ARGUMENT."""

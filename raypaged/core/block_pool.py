@@ -1,0 +1,163 @@
+"""The physical KV blocks: ids, reference counts, the free queue and the prefix-cache map.
+
+Block ids are 0..num_blocks-1; each names one block of `block_size` token slots in every layer's
+K and V pool on every rank. A block is *held* while its reference count is > 0 (one reference per
+request whose block table contains it) and *free* otherwise. Free blocks wait in a queue and are
+handed out oldest first. A full block may also carry a BlockHash (its contents, chained over the
+whole prefix): it then stays findable in the prefix cache after its holders free it, until the
+queue reaches it and it is reused for other tokens (evicted), which drops its hash.
+
+Eviction order: a free block without a hash holds nothing worth keeping, so it goes to the FRONT
+of the queue (reused first); a freed cached block goes to the BACK, so cached blocks are evicted
+least-recently-freed first (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, NamedTuple
+
+from raypaged.core.errors import NoFreeBlocksError
+
+# The "parent hash" of a request's first block. Any fixed int works: Python's hash of a tuple of
+# ints is deterministic, and a hit compares token ids as well (see BlockHash).
+_ROOT_HASH = 0x5EED_B10C_4A5E
+
+
+class BlockHash(NamedTuple):
+    """A full block's identity in the prefix cache.
+
+    hash_value chains the parent block's hash_value, this block's token ids and its extra keys, so
+    it stands for the whole prefix up to and including the block. The cache dict is keyed by the
+    whole tuple: a hit also compares this block's token ids and extra keys exactly, so a hash
+    collision can never make a block with other tokens (or another tenant's salt) match.
+    """
+
+    hash_value: int
+    token_ids: tuple[int, ...]
+    extra_keys: tuple | None
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...],
+                      extra_keys: tuple | None = None) -> BlockHash:
+    parent_value = _ROOT_HASH if parent is None else parent.hash_value
+    return BlockHash(hash((parent_value, token_ids, extra_keys)), token_ids, extra_keys)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        # Read directly by the KV cache manager on its hot path; only this class writes them.
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # An ordered set: O(1) append, pop-oldest and removal from the middle (a prefix hit on a
+        # free cached block takes it out of the queue).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+
+    # ---- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, next to be reused first."""
+        return list(self._free)
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        return self._cached.get(block_hash)
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks off the front of the free queue, each with one reference.
+        A cached block taken this way is evicted: its hash leaves the prefix cache."""
+        if num_blocks > len(self._free):
+            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        popitem = self._free.popitem
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        blocks = []
+        for _ in range(num_blocks):
+            block_id = popitem(last=False)[0]
+            cached = block_hash[block_id]
+            if cached is not None:
+                del self._cached[cached]
+                block_hash[block_id] = None
+            ref_cnt[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each block (a prefix hit, or a fork sharing them). A free
+        cached block leaves the free queue and is no longer evictable."""
+        block_ids = list(block_ids)
+        self._check_ids(block_ids)
+        ref_cnt, free = self.ref_cnt, self._free
+        for block_id in block_ids:
+            if ref_cnt[block_id] == 0:
+                del free[block_id]
+            ref_cnt[block_id] += 1
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block, in order. A block whose count reaches 0 joins the
+        free queue: at the back if it is cached (reusable until evicted), else at the front."""
+        block_ids = list(block_ids)
+        self._check_ids(block_ids)
+        ref_cnt = self.ref_cnt
+        drops: dict[int, int] = {}
+        for block_id in block_ids:
+            drops[block_id] = drops.get(block_id, 0) + 1
+        for block_id, count in drops.items():
+            if ref_cnt[block_id] < count:
+                raise ValueError(f"block {block_id} freed {count} time(s) but holds "
+                                 f"{ref_cnt[block_id]} reference(s)")
+        free, block_hash = self._free, self.block_hash
+        for block_id in block_ids:
+            ref_cnt[block_id] -= 1
+            if ref_cnt[block_id] == 0:
+                free[block_id] = None
+                if block_hash[block_id] is None:
+                    free.move_to_end(block_id, last=False)
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def cache_full_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a held block that just became full. Returns False (and changes nothing) when
+        another block already caches the same contents (two requests computed the same prefix at
+        once): the first one stays the cached copy and this block frees as uncached."""
+        if not self.enable_caching:
+            return False
+        self._check_ids((block_id,))
+        if self.ref_cnt[block_id] == 0:
+            raise ValueError(f"block {block_id} is free: only a held block can be cached")
+        current = self.block_hash[block_id]
+        if current is not None:
+            if current == block_hash:
+                return True
+            raise ValueError(f"block {block_id} is already cached under other contents")
+        if block_hash in self._cached:
+            return False
+        self._cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after a weight update). Refused (False, nothing
+        changed) while any block is held: running requests may still register their blocks."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self._cached.clear()
+        self.block_hash[:] = [None] * self.num_blocks  # in place: the manager holds this list
+        return True
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _check_ids(self, block_ids: Iterable[int]) -> None:
+        n = self.num_blocks
+        for block_id in block_ids:
+            if not (type(block_id) is int and 0 <= block_id < n):
+                raise ValueError(f"block id {block_id!r} out of range [0, {n})")

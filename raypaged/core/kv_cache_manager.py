@@ -1,0 +1,381 @@
+"""KVCacheManager: per-request block tables over one BlockPool, the prefix cache, fork and
+copy-on-write, and exact accounting of what the pool's slots hold.
+
+A request's block table maps logical block i (tokens i*B .. i*B+B-1) to a physical block id.
+Blocks are allocated on demand as the scheduler asks for slots for the tokens a step computes,
+so a request holds cdiv(num_computed_tokens, B) blocks after each step: the only waste is the
+unused tail of its last block.
+
+Sharing. Two requests hold the same block in two ways only:
+  * prefix caching: a new request takes the cached FULL blocks that hold its prompt's leading
+    tokens (same tokens, same salt, same whole prefix before them);
+  * fork (parallel sampling, n > 1): the samples share all of the parent's blocks.
+Full blocks are never written again, so sharing them is free. A fork may also share the parent's
+PARTIAL last block; the first sample to write into it while others still hold it gets a fresh
+copy (copy-on-write: the (src, dst) pair is queued for the workers, see take_block_copies) and
+the last one left writes in place. Nobody ever writes into a shared block, so every holder of a
+block sees the same number of filled slots in it — which keeps the accounting exact and cheap.
+
+Progress. The manager learns how far a request has computed from request.num_computed_tokens,
+recorded by cache_blocks() (the scheduler calls it after each step) or at the next
+allocate_slots(). Blocks that became full then enter the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from raypaged.core.errors import UnknownRequestError
+from raypaged.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class KVCacheStats:
+    """A snapshot of the pool. Slots are token positions (block_size per block); every count
+    takes a block held by several requests once, except logical_slots."""
+
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    allocated_slots: int  # slots in blocks held by some request
+    filled_slots: int  # of those, slots that hold a computed token's K/V for some holder
+    logical_slots: int  # sum over requests of their computed tokens (what they'd need unshared)
+    shared_saved_slots: int  # logical - filled: slots saved by prefix sharing and fork
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (like vLLM)
+    prefix_cache_hits: int  # of those, tokens found
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks held by requests."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def utilization(self) -> float:
+        """Filled / allocated slots: the share of held KV memory that holds token states."""
+        return self.filled_slots / self.allocated_slots if self.allocated_slots else 1.0
+
+    @property
+    def unfilled_slots(self) -> int:
+        """Internal fragmentation: allocated slots that hold nothing (yet)."""
+        return self.allocated_slots - self.filled_slots
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    block_ids: list[int]
+    # Hashes of the request's full blocks, leading ones first; extended lazily and kept so a
+    # waiting request's repeated prefix lookups and the later registration hash each block once.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V this request has, as last recorded
+    num_cached_blocks: int = 0  # leading blocks already in the prefix cache (registered or hit)
+    # Its block at index num_computed // B is partial and was shared by a fork: check for
+    # copy-on-write on its next write.
+    shared_tail: bool = False
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._ref_cnt = self.block_pool.ref_cnt
+        self._requests: dict[str, _RequestBlocks] = {}
+        # Filled slots of each block (equal for all its holders, see the module doc).
+        self._fill = [0] * num_blocks
+        self._num_filled_slots = 0
+        self._num_logical_slots = 0
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+        self._copies: list[tuple[int, int]] = []
+        # Requests whose table changed other than by appending (copy-on-write replaced a block)
+        # since the caller last discarded them: the workers must get their whole table again.
+        self.rewritten_req_ids: set[str] = set()
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached full blocks holding the request's leading tokens, and how many tokens they
+        hold. Never the whole request: its last token is always left to compute (its logits give
+        the next token). Takes no reference: pass the blocks to allocate_slots right away."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        if max_hit_blocks <= 0:
+            return [], 0
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestBlocks([])
+        hashes = state.block_hashes
+        lookup = self.block_pool.get_cached_block
+        blocks: list[int] = []
+        for i in range(max_hit_blocks):
+            block_hash = hashes[i] if i < len(hashes) else self._hash_next_block(request, hashes)
+            block_id = lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Record that the request's first num_computed_tokens tokens are computed: their slots
+        count as filled, and blocks that became full enter the prefix cache."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
+        if num_computed_tokens != state.num_computed:
+            self._advance(state, request, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Make room for the request's next num_new_tokens tokens, after its
+        request.num_computed_tokens computed ones and, on its first allocation, after the
+        prefix-hit blocks new_computed_blocks (from get_computed_blocks; the caller then adds
+        their tokens to request.num_computed_tokens).
+
+        Returns the block ids appended to the request's table (on the first allocation: the
+        whole table, prefix hits first), or None when the pool cannot supply them now — and then
+        nothing has changed. If its first new token lands in a partial block it shares (after a
+        fork), that block is replaced by a private copy: see rewritten_req_ids and
+        take_block_copies.
+        """
+        if type(num_new_tokens) is not int or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
+        state = self._requests.get(request.request_id)
+        if state is None or not state.block_ids:
+            return self._allocate_first(request, num_new_tokens, new_computed_blocks or [], state)
+        if new_computed_blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks: prefix hits "
+                             "are taken only on its first allocation")
+        num_computed = request.num_computed_tokens
+        if num_computed != state.num_computed:
+            self._advance(state, request, num_computed)
+        table = state.block_ids
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        if num_required <= len(table) and not (state.shared_tail and num_new_tokens):
+            return []  # the common decode step: its last block still has room
+        return self._grow(request, state, num_computed, num_new_tokens, num_required)
+
+    def _allocate_first(self, request: Request, num_new_tokens: int, hits: list[int],
+                        state: _RequestBlocks | None) -> list[int] | None:
+        block_size = self.block_size
+        if request.num_computed_tokens != 0:
+            raise ValueError(f"request {request.request_id!r} has computed tokens but no blocks")
+        if hits:
+            self._check_hits(request, hits, state)
+        num_hit_tokens = len(hits) * block_size
+        if num_hit_tokens + num_new_tokens > len(request.all_token_ids):
+            raise ValueError(f"request {request.request_id!r}: asked for slots past its last token")
+        num_new_blocks = cdiv(num_hit_tokens + num_new_tokens, block_size) - len(hits)
+        ref_cnt = self._ref_cnt
+        num_revived = sum(1 for b in hits if ref_cnt[b] == 0)  # hits still in the free queue
+        if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+            return None
+        # Take the hits first: fresh blocks may otherwise be found by evicting them.
+        self.block_pool.touch(hits)
+        fill = self._fill
+        for b in hits:
+            if fill[b] != block_size:  # a revived free cached block: full again for its holder
+                self._num_filled_slots += block_size - fill[b]
+                fill[b] = block_size
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestBlocks([])
+        state.block_ids = hits + new_blocks
+        state.num_computed = num_hit_tokens
+        state.num_cached_blocks = len(hits)
+        self._num_logical_slots += num_hit_tokens
+        if self.enable_prefix_caching:
+            self._prefix_cache_queries += len(request.all_token_ids)
+            self._prefix_cache_hits += num_hit_tokens
+        return list(state.block_ids)
+
+    def _grow(self, request: Request, state: _RequestBlocks, num_computed: int,
+              num_new_tokens: int, num_required: int) -> list[int] | None:
+        block_size = self.block_size
+        table = state.block_ids
+        if num_computed + num_new_tokens > len(request.all_token_ids):
+            raise ValueError(f"request {request.request_id!r}: asked for slots past its last token")
+        write_index = num_computed // block_size
+        copy_on_write = (state.shared_tail and num_new_tokens > 0 and num_computed % block_size != 0
+                         and self._ref_cnt[table[write_index]] > 1)
+        num_new_blocks = max(0, num_required - len(table))
+        if num_new_blocks + copy_on_write > self.block_pool.num_free_blocks:
+            return None
+        if copy_on_write:
+            shared = table[write_index]
+            private = self.block_pool.get_new_blocks(1)[0]
+            table[write_index] = private
+            self.block_pool.free_blocks((shared,))  # others still hold it: it stays allocated
+            filled = num_computed % block_size
+            self._fill[private] = filled
+            self._num_filled_slots += filled
+            self._copies.append((shared, private))
+            self.rewritten_req_ids.add(request.request_id)
+        if num_new_tokens:
+            state.shared_tail = False  # it wrote (or will write) into a block of its own
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def _check_hits(self, request: Request, hits: list[int], state: _RequestBlocks | None) -> None:
+        """Prefix hits must be what get_computed_blocks just returned for this request, still
+        cached: anything else would hand it blocks holding other tokens."""
+        hashes = state.block_hashes if state is not None else []
+        if not self.enable_prefix_caching or len(hits) > len(hashes) \
+                or len(hits) * self.block_size >= len(request.all_token_ids):
+            raise ValueError(f"request {request.request_id!r}: prefix hits must come from "
+                             "get_computed_blocks")
+        block_hash = self.block_pool.block_hash
+        for i, block_id in enumerate(hits):
+            if not (type(block_id) is int and 0 <= block_id < self.num_blocks) \
+                    or block_hash[block_id] != hashes[i]:
+                raise ValueError(f"request {request.request_id!r}: block {block_id!r} no longer "
+                                 f"caches its block {i} (evicted since get_computed_blocks?)")
+
+    # ---- progress --------------------------------------------------------------------------------
+    def _advance(self, state: _RequestBlocks, request: Request, num_computed: int) -> None:
+        old = state.num_computed
+        block_size = self.block_size
+        table = state.block_ids
+        if not (old <= num_computed <= len(table) * block_size):
+            raise ValueError(f"request {request.request_id!r}: computed tokens went from {old} to "
+                             f"{num_computed} with {len(table)} blocks of {block_size}")
+        if state.shared_tail:
+            raise ValueError(f"request {request.request_id!r} computed tokens into a block it "
+                             "shares without allocate_slots (copy-on-write) first")
+        # It writes only blocks it alone holds, so every new token fills one more slot.
+        fill = self._fill
+        for index in range(old // block_size, (num_computed - 1) // block_size + 1):
+            fill[table[index]] = min(block_size, num_computed - index * block_size)
+        self._num_filled_slots += num_computed - old
+        self._num_logical_slots += num_computed - old
+        state.num_computed = num_computed
+        num_full = num_computed // block_size
+        if self.enable_prefix_caching and num_full > state.num_cached_blocks:
+            hashes = state.block_hashes
+            cache = self.block_pool.cache_full_block
+            for index in range(state.num_cached_blocks, num_full):
+                block_hash = hashes[index] if index < len(hashes) else self._hash_next_block(request, hashes)
+                cache(table[index], block_hash)
+            state.num_cached_blocks = num_full
+
+    def _hash_next_block(self, request: Request, hashes: list[BlockHash]) -> BlockHash:
+        index = len(hashes)
+        block_size = self.block_size
+        token_ids = tuple(request.all_token_ids[index * block_size:(index + 1) * block_size])
+        if len(token_ids) != block_size:
+            raise ValueError(f"request {request.request_id!r}: block {index} is not full")
+        # The salt goes into every block, not only the first: tenants stay apart even if two
+        # prefixes' chained hashes ever collided.
+        extra_keys = (request.cache_salt,) if request.cache_salt else None
+        block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids, extra_keys)
+        hashes.append(block_hash)
+        return block_hash
+
+    # ---- release and sharing ---------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (no-op if it holds none). Blocks nobody else holds join
+        the free queue; cached ones stay findable by prefix until evicted."""
+        request_id = request.request_id
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        table = state.block_ids
+        if table:
+            self.block_pool.free_blocks(reversed(table))  # tail first: evicted before the prefix
+            ref_cnt, fill = self._ref_cnt, self._fill
+            for block_id in table:
+                if ref_cnt[block_id] == 0 and fill[block_id]:
+                    self._num_filled_slots -= fill[block_id]
+                    fill[block_id] = 0
+            if self._copies:
+                # A copy into a block it no longer holds would race with that block's next owner.
+                dropped = set(table)
+                self._copies = [c for c in self._copies if c[1] not in dropped]
+        self._num_logical_slots -= state.num_computed
+        self.rewritten_req_ids.discard(request_id)
+        del self._requests[request_id]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent, whose scheduled tokens must all be
+        computed (call it from the update, after the step). child.num_computed_tokens must
+        equal the parent's; the child must hold nothing yet."""
+        state = self._requests.get(parent.request_id)
+        if state is None or not state.block_ids:
+            raise UnknownRequestError(f"fork: parent {parent.request_id!r} holds no blocks")
+        num_computed = parent.num_computed_tokens
+        child_state = self._requests.get(child.request_id)
+        if child.request_id == parent.request_id or (child_state is not None and child_state.block_ids):
+            raise ValueError(f"fork: child {child.request_id!r} already holds blocks")
+        if child.num_computed_tokens != num_computed:
+            raise ValueError(f"fork: child has {child.num_computed_tokens} computed tokens, "
+                             f"parent {num_computed}")
+        if len(state.block_ids) != cdiv(num_computed, self.block_size):
+            raise ValueError(f"fork: parent {parent.request_id!r} has slots allocated past its "
+                             "computed tokens (fork only between steps)")
+        if num_computed != state.num_computed:
+            self._advance(state, parent, num_computed)
+        table = state.block_ids
+        self.block_pool.touch(table)
+        shared_tail = num_computed % self.block_size != 0
+        self._requests[child.request_id] = _RequestBlocks(
+            block_ids=list(table), block_hashes=list(state.block_hashes), num_computed=num_computed,
+            num_cached_blocks=state.num_cached_blocks, shared_tail=shared_tail)
+        state.shared_tail = state.shared_tail or shared_tail
+        self._num_logical_slots += num_computed
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) copy-on-write pairs queued since the last call. No dst is a src in the same
+        list, so the workers may apply them in one batched gather-scatter, before the forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> list[int]:
+        state = self._requests.get(request_id)
+        return list(state.block_ids) if state is not None else []
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Could an empty pool ever hold a request of num_tokens tokens?"""
+        return cdiv(num_tokens, self.block_size) <= self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.block_pool.num_free_blocks / self.num_blocks
+
+    def stats(self) -> KVCacheStats:
+        num_free = self.block_pool.num_free_blocks
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=num_free,
+            block_size=self.block_size,
+            allocated_slots=(self.num_blocks - num_free) * self.block_size,
+            filled_slots=self._num_filled_slots,
+            logical_slots=self._num_logical_slots,
+            shared_saved_slots=self._num_logical_slots - self._num_filled_slots,
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
+        )

@@ -1,0 +1,215 @@
+"""Test doubles for the core: a worker that applies SchedulerOutput diffs to a fake paged KV pool,
+and a brute-force check of every bookkeeping invariant of the scheduler and KV cache manager.
+
+The fake pool stores, in each slot, the identity of the whole prefix whose K/V a real model would
+have written there (a chained hash over the tokens up to that position). A request "attends" by
+reading its block table: every position it reads must hold its own prefix's identity. That is
+the end-to-end property paged attention needs — it catches a wrong prefix-cache hit, a missing or
+misplaced copy-on-write, a block reused while still held, and a diff the worker applied wrong.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from raypaged.core.kv_cache_manager import KVCacheManager, cdiv
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.core.request import Request, RequestStatus
+from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.scheduler import Scheduler
+
+
+def make_request(request_id: str, prompt: list[int], *, eos: int | None = None, priority: int = 0,
+                 salt: str | None = None, arrival: float = 0.0, **params) -> Request:
+    return Request(request_id, prompt, SamplingParams(**params), eos_token_id=eos,
+                   arrival_time=arrival, priority=priority, cache_salt=salt)
+
+
+def prefix_ids(tokens: list[int]) -> list[int]:
+    """prefix_ids(t)[p] identifies t[:p+1]: equal iff the whole prefixes are equal (for tests)."""
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+@dataclass
+class _WorkerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    n: int
+    block_ids: list[int]
+    num_computed: int
+
+
+class ShadowWorker:
+    """Applies each step's diff like worker/model_runner.py, checks it, and answers with tokens
+    drawn by `sample(req_id) -> int`."""
+
+    def __init__(self, num_blocks: int, block_size: int, sample: Callable[[str], int],
+                 rng: random.Random | None = None) -> None:
+        self.block_size = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.requests: dict[str, _WorkerRequest] = {}
+        self.sample = sample
+        self.rng = rng or random.Random(0)
+        self.num_copies = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        B = self.block_size
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            assert req_id in self.requests, f"told to drop {req_id!r}, which it does not hold"
+            del self.requests[req_id]
+        assert not (out.finished_req_ids & out.preempted_req_ids)
+        new_ids = [new.req_id for new in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        assert len(set(new_ids)) == len(new_ids) and not set(new_ids) & set(cached.req_ids)
+        assert set(new_ids) | set(cached.req_ids) == set(out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.requests, f"{new.req_id!r} sent new while held"
+            self.requests[new.req_id] = _WorkerRequest(list(new.token_ids), new.num_prompt_tokens,
+                                                       new.sampling_params.n, list(new.block_ids),
+                                                       new.num_computed_tokens)
+        for req_id, token_ids, block_ids, num_computed in zip(
+                cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            assert num_computed == state.num_computed, (req_id, num_computed, state.num_computed)
+            end = num_computed + len(token_ids)
+            known = state.token_ids[num_computed:end]  # tokens it already had there must agree
+            assert known == token_ids[: len(known)], f"{req_id!r}: diff rewrites known tokens"
+            state.token_ids[num_computed:end] = token_ids
+            state.block_ids.extend(block_ids)
+        # Copy-on-write before the forward, as one gather then scatter.
+        dsts = [dst for _, dst in out.block_copies]
+        assert len(set(dsts)) == len(dsts) and not set(dsts) & {src for src, _ in out.block_copies}
+        snapshot = [list(self.kv[src]) for src, _ in out.block_copies]
+        for (_, dst), data in zip(out.block_copies, snapshot):
+            self.kv[dst] = data
+        self.num_copies += len(out.block_copies)
+
+        # Forward: every scheduled request writes its new positions, then reads all it attends to.
+        order = list(out.num_scheduled_tokens.items())
+        for req_id, n in order:
+            state = self.requests[req_id]
+            c = state.num_computed
+            assert n >= 1 and c + n <= len(state.token_ids), (req_id, c, n, len(state.token_ids))
+            assert len(state.block_ids) * B >= c + n, f"{req_id!r}: no slot for its tokens"
+            ids = prefix_ids(state.token_ids[: c + n])
+            for pos in range(c, c + n):
+                self.kv[state.block_ids[pos // B]][pos % B] = ids[pos]
+        result = ModelRunnerOutput()
+        for req_id, n in order:
+            state = self.requests[req_id]
+            c = state.num_computed
+            ids = prefix_ids(state.token_ids[: c + n])
+            for pos in range(c + n):
+                got = self.kv[state.block_ids[pos // B]][pos % B]
+                assert got == ids[pos], f"{req_id!r} reads a wrong K/V at position {pos}"
+            state.num_computed = c + n
+            sampled: list[int] = []
+            if c + n == len(state.token_ids):
+                fan_out = state.n if len(state.token_ids) == state.num_prompt_tokens else 1
+                sampled = [self.sample(req_id) for _ in range(fan_out)]
+            result.req_ids.append(req_id)
+            result.sampled_token_ids.append(sampled)
+            result.logprobs.append([{t: -1.0} for t in sampled] if sampled else None)
+        # Runners may answer in any order.
+        perm = list(range(len(result.req_ids)))
+        self.rng.shuffle(perm)
+        result.req_ids = [result.req_ids[i] for i in perm]
+        result.sampled_token_ids = [result.sampled_token_ids[i] for i in perm]
+        result.logprobs = [result.logprobs[i] for i in perm]
+        return result
+
+
+def check_invariants(scheduler: Scheduler, worker: ShadowWorker | None = None) -> None:
+    """Every invariant of the scheduler and the paged KV manager, recomputed from scratch."""
+    kv: KVCacheManager = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    B = kv.block_size
+    running, waiting = scheduler.running, list(scheduler.waiting)
+    live = {r.request_id: r for r in running + waiting}
+    assert len(live) == len(running) + len(waiting), "a request is both running and waiting"
+    assert live.keys() == scheduler.requests.keys()
+    assert len(running) <= scheduler.config.max_num_seqs
+    assert all(r.status is RequestStatus.RUNNING for r in running)
+    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
+
+    tables = {rid: kv.get_block_ids(rid) for rid in live}
+    assert set(kv._requests) <= set(live), "the manager holds state for a request that ended"
+    for r in waiting:
+        assert not tables[r.request_id], f"waiting {r.request_id!r} holds blocks"
+        assert r.num_computed_tokens == 0
+    holders: dict[int, list[tuple[Request, int]]] = {}
+    for r in running:
+        table = tables[r.request_id]
+        c = r.num_computed_tokens
+        assert len(table) == cdiv(c, B), f"{r.request_id!r}: {len(table)} blocks for {c} tokens"
+        assert len(table) * B - c < B, "more than a block's tail unfilled"
+        assert len(set(table)) == len(table)
+        for index, b in enumerate(table):
+            holders.setdefault(b, []).append((r, index))
+
+    # Each block is free or held, and held exactly as often as tables name it.
+    free = pool.free_block_ids()
+    assert len(set(free)) == len(free) == pool.num_free_blocks
+    for b in range(pool.num_blocks):
+        count = len(holders.get(b, []))
+        assert pool.ref_cnt[b] == count, f"block {b}: ref {pool.ref_cnt[b]} but {count} holders"
+        assert (b in set(free)) == (count == 0)
+    # A block in several tables is shared by prefix or fork: same position, same tokens up to
+    # where each holder has computed, and the same fill for every holder.
+    filled = 0
+    for b, hs in holders.items():
+        fills = {min(B, max(0, r.num_computed_tokens - index * B)) for r, index in hs}
+        if len(hs) > 1:
+            assert len({index for _, index in hs}) == 1, f"block {b} at different positions"
+            assert len(fills) == 1, f"shared block {b} filled differently: {fills}"
+            first, index = hs[0]
+            end = min([(index + 1) * B] + [r.num_computed_tokens for r, _ in hs])
+            for r, _ in hs[1:]:
+                assert r.all_token_ids[:end] == first.all_token_ids[:end]
+                assert r.cache_salt == first.cache_salt
+        filled += max(fills)
+    # Cached blocks are full, and the map and the per-block hashes agree.
+    for b in range(pool.num_blocks):
+        h = pool.block_hash[b]
+        if h is not None:
+            assert pool.get_cached_block(h) == b
+            assert len(h.token_ids) == B
+            for r, index in holders.get(b, []):
+                assert tuple(r.all_token_ids[index * B:(index + 1) * B]) == h.token_ids
+                assert r.num_computed_tokens >= (index + 1) * B
+    assert pool.num_cached_blocks == sum(h is not None for h in pool.block_hash)
+
+    stats = kv.stats()
+    assert stats.allocated_slots == (pool.num_blocks - len(free)) * B
+    assert stats.filled_slots == filled, (stats.filled_slots, filled)
+    assert stats.logical_slots == sum(r.num_computed_tokens for r in running)
+    assert stats.shared_saved_slots == stats.logical_slots - stats.filled_slots >= 0
+
+    if worker is not None:  # the workers' view is the scheduler's
+        on_workers = scheduler._on_workers
+        # The worker may still hold what finished this step: it drops them next step.
+        assert set(worker.requests) == on_workers | scheduler._finished_req_ids
+        assert not on_workers & scheduler._finished_req_ids
+        for rid in on_workers:
+            r, state = live[rid], worker.requests[rid]
+            assert r.status is RequestStatus.RUNNING
+            assert state.block_ids == tables[rid], f"{rid!r}: worker table differs"
+            assert state.token_ids == r.all_token_ids[: len(state.token_ids)]
+            assert state.num_computed == r.num_computed_tokens
+
+
+def check_pool_whole(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    assert not scheduler.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(ref == 0 for ref in kv.block_pool.ref_cnt)
+    stats = kv.stats()
+    assert stats.allocated_slots == stats.filled_slots == stats.logical_slots == 0
+    assert not kv._requests
