@@ -78,7 +78,7 @@ def test_load_dtype_converts_fp32_checkpoint(dtype):
     state = checkpoint_state("llama")
     assert all(p.dtype == dtype for p in model.parameters())
     # rotary frequencies stay fp32 whatever the weights' dtype
-    assert model.model.layers[0].self_attn.rotary_emb.inv_freq.dtype == torch.float32
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     torch.testing.assert_close(
         model.model.layers[0].mlp.down_proj.weight,
         state["model.layers.0.mlp.down_proj.weight"].to(dtype),

@@ -27,7 +27,7 @@ from .layers import (
     VocabParallelEmbedding,
 )
 from .parallel import get_tp_size
-from .rotary import RotaryEmbedding
+from .rotary import RotaryAngles, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -45,7 +45,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
         )
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
         self.attn = PagedAttention(
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
@@ -55,13 +54,13 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RotaryAngles,
         hidden: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = rope.rotate(q), rope.rotate(k)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -92,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RotaryAngles,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: KVCache,
@@ -103,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -116,6 +115,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
 
     def forward(
         self,
@@ -125,9 +125,10 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 

@@ -10,6 +10,7 @@ no table to size against max_position_embeddings, and the arithmetic is exactly 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -59,15 +60,20 @@ class RotaryEmbedding(nn.Module):
             persistent=False,
         )
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, Hq, D]; key [T, Hkv, D] -> rotated (query, key)."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
+        """positions [T] -> their cos/sin, [T, 1, D] each, in the activation dtype.
+
+        Computed once per step and shared by every layer (all layers rotate alike).
+        """
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos = angles.cos().to(query.dtype)[:, None, :]
-        sin = angles.sin().to(query.dtype)[:, None, :]
-        return (
-            query * cos + _rotate_half(query) * sin,
-            key * cos + _rotate_half(key) * sin,
-        )
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return RotaryAngles(angles.cos().to(dtype), angles.sin().to(dtype))
+
+
+class RotaryAngles(NamedTuple):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by its token's angles."""
+        return x * self.cos + _rotate_half(x) * self.sin
