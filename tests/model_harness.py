@@ -26,13 +26,18 @@ class PagedHarness:
         tp: int = 1,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model = model
+        self.device = torch.device(device)
         self.block_size = block_size
         kv_heads = config.num_kv_heads_per_rank(tp)
         shape = (num_blocks, block_size, kv_heads, config.head_dim)
         self.kv_caches = [
-            (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+            (
+                torch.full(shape, float("nan"), dtype=dtype, device=device),
+                torch.full(shape, float("nan"), dtype=dtype, device=device),
+            )
             for _ in range(config.num_hidden_layers)
         ]
         generator = torch.Generator().manual_seed(seed)
@@ -73,11 +78,12 @@ class PagedHarness:
             tables[row, : len(self.blocks[req])] = torch.tensor(self.blocks[req])
         query_start_loc = torch.zeros(len(order) + 1, dtype=torch.int32)
         query_start_loc[1:] = torch.cumsum(torch.tensor(counts), 0)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=query_start_loc,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=query_start_loc.to(dev),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_query_len=max(counts),
@@ -85,12 +91,12 @@ class PagedHarness:
         )
         with torch.inference_mode():
             hidden = self.model(
-                torch.tensor(ids, dtype=torch.int64),
-                torch.tensor(positions, dtype=torch.int64),
+                torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev),
                 self.kv_caches,
                 meta,
             )
-            logits = self.model.compute_logits(hidden).float()
+            logits = self.model.compute_logits(hidden).float().cpu()
         last: dict[str, torch.Tensor] = {}
         cursor = 0
         for req, n in zip(order, counts):
