@@ -28,6 +28,7 @@ COLUMNS = [  # header, width, how to get the cell from a summary dict
     ("mean run", 8, lambda s: f"{s['saturated']['mean_running']:.1f}"),
     ("peak run", 8, lambda s: str(s["peak_running"])),
     ("steps", 7, lambda s: str(s["steps_to_drain"])),
+    ("saturated", 9, lambda s: _pct(s["saturated_steps"] / max(1, s["engine_steps"]))),
     ("preempt", 7, lambda s: str(s["preemptions"])),
     ("shared saved", 14, lambda s: _saved(s)),
 ]
@@ -53,7 +54,8 @@ def format_table(summaries: list[dict]) -> str:
 
 def format_legend() -> str:
     return (
-        "Averages over saturated steps (some request waiting: memory is the limit).\n"
+        "Averages over saturated steps (some request waiting: memory is the limit; `saturated` is\n"
+        "their share of the steps, and with none the averages are over every step).\n"
         "KV util = filled / allocated slots; tokens/pool = filled slots / whole pool (the paper's\n"
         "measure); int.frag = allocated-but-unfilled / pool; ext.frag = free blocks no run the next\n"
         "request needs can use / pool; shared saved = mean slots (and share of the pool) that prefix\n"
