@@ -16,9 +16,15 @@ copy (copy-on-write: the (src, dst) pair is queued for the workers, see take_blo
 the last one left writes in place. Nobody ever writes into a shared block, so every holder of a
 block sees the same number of filled slots in it — which keeps the accounting exact and cheap.
 
-Progress. The manager learns how far a request has computed from request.num_computed_tokens,
-recorded by cache_blocks() (the scheduler calls it after each step) or at the next
-allocate_slots(). Blocks that became full then enter the prefix cache.
+Progress. How far a request has computed is request.num_computed_tokens (the scheduler advances
+it after each step); the manager reads it and keeps no per-step state, so a decode step costs it
+nothing unless a block fills. cache_blocks() puts blocks that became full into the prefix cache
+(the scheduler calls it when a step completes a block; allocate_slots also does it lazily).
+
+Accounting. Since all holders of a block see the same fill, filled slots = logical slots (the sum
+of computed tokens over requests) - saved slots, where saved = sum over blocks of
+fill * (holders - 1) changes only when a block gains or loses a holder: at a prefix hit, a fork,
+a free and a copy-on-write. So nothing is counted per step; stats() sums computed tokens once.
 """
 
 from __future__ import annotations
@@ -75,11 +81,11 @@ class KVCacheStats:
 
 @dataclass(slots=True)
 class _RequestBlocks:
-    block_ids: list[int]
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
     # Hashes of the request's full blocks, leading ones first; extended lazily and kept so a
     # waiting request's repeated prefix lookups and the later registration hash each block once.
     block_hashes: list[BlockHash] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V this request has, as last recorded
     num_cached_blocks: int = 0  # leading blocks already in the prefix cache (registered or hit)
     # Its block at index num_computed // B is partial and was shared by a fork: check for
     # copy-on-write on its next write.
@@ -96,10 +102,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._ref_cnt = self.block_pool.ref_cnt
         self._requests: dict[str, _RequestBlocks] = {}
-        # Filled slots of each block (equal for all its holders, see the module doc).
-        self._fill = [0] * num_blocks
-        self._num_filled_slots = 0
-        self._num_logical_slots = 0
+        self._num_saved_slots = 0  # sum over blocks of fill * (holders - 1)
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
         self._copies: list[tuple[int, int]] = []
@@ -119,7 +122,7 @@ class KVCacheManager:
             return [], 0
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestBlocks([])
+            state = self._requests[request.request_id] = _RequestBlocks(request)
         hashes = state.block_hashes
         lookup = self.block_pool.get_cached_block
         blocks: list[int] = []
@@ -132,13 +135,16 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Record that the request's first num_computed_tokens tokens are computed: their slots
-        count as filled, and blocks that became full enter the prefix cache."""
+        """Put the request's blocks that its first num_computed_tokens tokens fill into the
+        prefix cache (idempotent; a no-op with prefix caching off)."""
         state = self._requests.get(request.request_id)
         if state is None:
             raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
-        if num_computed_tokens != state.num_computed:
-            self._advance(state, request, num_computed_tokens)
+        if not 0 <= num_computed_tokens <= len(state.block_ids) * self.block_size:
+            raise ValueError(f"request {request.request_id!r}: {num_computed_tokens} computed tokens "
+                             f"do not fit its {len(state.block_ids)} blocks")
+        if self.enable_prefix_caching and num_computed_tokens // self.block_size > state.num_cached_blocks:
+            self._register_full_blocks(state, num_computed_tokens // self.block_size)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -157,22 +163,20 @@ class KVCacheManager:
         fork), that block is replaced by a private copy: see rewritten_req_ids and
         take_block_copies.
         """
+        state = self._requests.get(request.request_id)
+        # The common decode step: the last block still has room. Reads only, changes nothing.
+        if state is not None and state.block_ids and not new_computed_blocks and not state.shared_tail \
+                and 0 <= num_new_tokens \
+                and request.num_computed_tokens + num_new_tokens <= len(state.block_ids) * self.block_size:
+            return []
         if type(num_new_tokens) is not int or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
-        state = self._requests.get(request.request_id)
         if state is None or not state.block_ids:
             return self._allocate_first(request, num_new_tokens, new_computed_blocks or [], state)
         if new_computed_blocks:
             raise ValueError(f"request {request.request_id!r} already holds blocks: prefix hits "
                              "are taken only on its first allocation")
-        num_computed = request.num_computed_tokens
-        if num_computed != state.num_computed:
-            self._advance(state, request, num_computed)
-        table = state.block_ids
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        if num_required <= len(table) and not (state.shared_tail and num_new_tokens):
-            return []  # the common decode step: its last block still has room
-        return self._grow(request, state, num_computed, num_new_tokens, num_required)
+        return self._grow(request, state, num_new_tokens)
 
     def _allocate_first(self, request: Request, num_new_tokens: int, hits: list[int],
                         state: _RequestBlocks | None) -> list[int] | None:
@@ -189,49 +193,48 @@ class KVCacheManager:
         num_revived = sum(1 for b in hits if ref_cnt[b] == 0)  # hits still in the free queue
         if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
             return None
-        # Take the hits first: fresh blocks may otherwise be found by evicting them.
+        # Take the hits first: fresh blocks may otherwise be found by evicting them. A hit on a
+        # block others hold saves its slots once more.
+        self._num_saved_slots += block_size * (len(hits) - num_revived)
         self.block_pool.touch(hits)
-        fill = self._fill
-        for b in hits:
-            if fill[b] != block_size:  # a revived free cached block: full again for its holder
-                self._num_filled_slots += block_size - fill[b]
-                fill[b] = block_size
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         if state is None:
-            state = self._requests[request.request_id] = _RequestBlocks([])
+            state = self._requests[request.request_id] = _RequestBlocks(request)
+        state.request = request
         state.block_ids = hits + new_blocks
-        state.num_computed = num_hit_tokens
         state.num_cached_blocks = len(hits)
-        self._num_logical_slots += num_hit_tokens
         if self.enable_prefix_caching:
             self._prefix_cache_queries += len(request.all_token_ids)
             self._prefix_cache_hits += num_hit_tokens
         return list(state.block_ids)
 
-    def _grow(self, request: Request, state: _RequestBlocks, num_computed: int,
-              num_new_tokens: int, num_required: int) -> list[int] | None:
+    def _grow(self, request: Request, state: _RequestBlocks, num_new_tokens: int) -> list[int] | None:
         block_size = self.block_size
         table = state.block_ids
-        if num_computed + num_new_tokens > len(request.all_token_ids):
-            raise ValueError(f"request {request.request_id!r}: asked for slots past its last token")
+        num_computed = request.num_computed_tokens
+        if not 0 <= num_computed <= len(table) * block_size \
+                or num_computed + num_new_tokens > len(request.all_token_ids):
+            raise ValueError(f"request {request.request_id!r}: {num_computed} computed + "
+                             f"{num_new_tokens} new tokens do not match its {len(table)} blocks and "
+                             f"{len(request.all_token_ids)} tokens")
         write_index = num_computed // block_size
         copy_on_write = (state.shared_tail and num_new_tokens > 0 and num_computed % block_size != 0
                          and self._ref_cnt[table[write_index]] > 1)
-        num_new_blocks = max(0, num_required - len(table))
+        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, block_size) - len(table))
         if num_new_blocks + copy_on_write > self.block_pool.num_free_blocks:
             return None
+        if self.enable_prefix_caching and num_computed // block_size > state.num_cached_blocks:
+            self._register_full_blocks(state, num_computed // block_size)
         if copy_on_write:
             shared = table[write_index]
             private = self.block_pool.get_new_blocks(1)[0]
             table[write_index] = private
             self.block_pool.free_blocks((shared,))  # others still hold it: it stays allocated
-            filled = num_computed % block_size
-            self._fill[private] = filled
-            self._num_filled_slots += filled
+            self._num_saved_slots -= num_computed % block_size
             self._copies.append((shared, private))
             self.rewritten_req_ids.add(request.request_id)
         if num_new_tokens:
-            state.shared_tail = False  # it wrote (or will write) into a block of its own
+            state.shared_tail = False  # it writes into a block of its own from now on
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         table.extend(new_blocks)
         return new_blocks
@@ -251,32 +254,14 @@ class KVCacheManager:
                 raise ValueError(f"request {request.request_id!r}: block {block_id!r} no longer "
                                  f"caches its block {i} (evicted since get_computed_blocks?)")
 
-    # ---- progress --------------------------------------------------------------------------------
-    def _advance(self, state: _RequestBlocks, request: Request, num_computed: int) -> None:
-        old = state.num_computed
-        block_size = self.block_size
-        table = state.block_ids
-        if not (old <= num_computed <= len(table) * block_size):
-            raise ValueError(f"request {request.request_id!r}: computed tokens went from {old} to "
-                             f"{num_computed} with {len(table)} blocks of {block_size}")
-        if state.shared_tail:
-            raise ValueError(f"request {request.request_id!r} computed tokens into a block it "
-                             "shares without allocate_slots (copy-on-write) first")
-        # It writes only blocks it alone holds, so every new token fills one more slot.
-        fill = self._fill
-        for index in range(old // block_size, (num_computed - 1) // block_size + 1):
-            fill[table[index]] = min(block_size, num_computed - index * block_size)
-        self._num_filled_slots += num_computed - old
-        self._num_logical_slots += num_computed - old
-        state.num_computed = num_computed
-        num_full = num_computed // block_size
-        if self.enable_prefix_caching and num_full > state.num_cached_blocks:
-            hashes = state.block_hashes
-            cache = self.block_pool.cache_full_block
-            for index in range(state.num_cached_blocks, num_full):
-                block_hash = hashes[index] if index < len(hashes) else self._hash_next_block(request, hashes)
-                cache(table[index], block_hash)
-            state.num_cached_blocks = num_full
+    # ---- prefix cache registration ---------------------------------------------------------------
+    def _register_full_blocks(self, state: _RequestBlocks, num_full: int) -> None:
+        hashes, table = state.block_hashes, state.block_ids
+        cache = self.block_pool.cache_full_block
+        for index in range(state.num_cached_blocks, num_full):
+            block_hash = hashes[index] if index < len(hashes) else self._hash_next_block(state.request, hashes)
+            cache(table[index], block_hash)
+        state.num_cached_blocks = num_full
 
     def _hash_next_block(self, request: Request, hashes: list[BlockHash]) -> BlockHash:
         index = len(hashes)
@@ -302,16 +287,16 @@ class KVCacheManager:
         table = state.block_ids
         if table:
             self.block_pool.free_blocks(reversed(table))  # tail first: evicted before the prefix
-            ref_cnt, fill = self._ref_cnt, self._fill
-            for block_id in table:
-                if ref_cnt[block_id] == 0 and fill[block_id]:
-                    self._num_filled_slots -= fill[block_id]
-                    fill[block_id] = 0
+            # Blocks others still hold lose one holder; this request's fill of each is theirs.
+            ref_cnt, block_size = self._ref_cnt, self.block_size
+            num_computed = request.num_computed_tokens
+            for index, block_id in enumerate(table):
+                if ref_cnt[block_id]:
+                    self._num_saved_slots -= min(block_size, max(0, num_computed - index * block_size))
             if self._copies:
                 # A copy into a block it no longer holds would race with that block's next owner.
                 dropped = set(table)
                 self._copies = [c for c in self._copies if c[1] not in dropped]
-        self._num_logical_slots -= state.num_computed
         self.rewritten_req_ids.discard(request_id)
         del self._requests[request_id]
 
@@ -332,16 +317,14 @@ class KVCacheManager:
         if len(state.block_ids) != cdiv(num_computed, self.block_size):
             raise ValueError(f"fork: parent {parent.request_id!r} has slots allocated past its "
                              "computed tokens (fork only between steps)")
-        if num_computed != state.num_computed:
-            self._advance(state, parent, num_computed)
         table = state.block_ids
         self.block_pool.touch(table)
         shared_tail = num_computed % self.block_size != 0
         self._requests[child.request_id] = _RequestBlocks(
-            block_ids=list(table), block_hashes=list(state.block_hashes), num_computed=num_computed,
+            child, block_ids=list(table), block_hashes=list(state.block_hashes),
             num_cached_blocks=state.num_cached_blocks, shared_tail=shared_tail)
         state.shared_tail = state.shared_tail or shared_tail
-        self._num_logical_slots += num_computed
+        self._num_saved_slots += num_computed  # every filled slot of the parent gains a holder
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """(src, dst) copy-on-write pairs queued since the last call. No dst is a src in the same
@@ -367,15 +350,17 @@ class KVCacheManager:
         return 1.0 - self.block_pool.num_free_blocks / self.num_blocks
 
     def stats(self) -> KVCacheStats:
+        """O(requests holding blocks): one sum of their computed tokens."""
         num_free = self.block_pool.num_free_blocks
+        logical = sum([state.request.num_computed_tokens for state in self._requests.values()])
         return KVCacheStats(
             num_blocks=self.num_blocks,
             num_free_blocks=num_free,
             block_size=self.block_size,
             allocated_slots=(self.num_blocks - num_free) * self.block_size,
-            filled_slots=self._num_filled_slots,
-            logical_slots=self._num_logical_slots,
-            shared_saved_slots=self._num_logical_slots - self._num_filled_slots,
+            filled_slots=logical - self._num_saved_slots,
+            logical_slots=logical,
+            shared_saved_slots=self._num_saved_slots,
             prefix_cache_queries=self._prefix_cache_queries,
             prefix_cache_hits=self._prefix_cache_hits,
         )

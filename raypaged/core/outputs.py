@@ -69,7 +69,7 @@ class ModelRunnerOutput:
     logprobs: list[list[Logprobs] | None] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)  # built for every running request every step: slots make that cheaper
 class EngineCoreOutput:
     """One request's news from one step, batched with all others for the frontend."""
 

@@ -65,6 +65,10 @@ class Scheduler:
         self._on_workers: set[str] = set()
         self._finished_req_ids: set[str] = set()  # dropped since the last schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
+        # Running request id -> slots in its block table, from what allocate_slots returned: while
+        # a step fits, the scheduler need not ask the manager. -1 forces the next step through
+        # allocate_slots (after a fork: copy-on-write, or a copying manager's new table).
+        self._num_slots: dict[str, int] = {}
         self.num_preemptions = 0
 
     # ---- requests in and out ---------------------------------------------------------------------
@@ -174,9 +178,12 @@ class Scheduler:
         running = self.running
 
         # Running requests first, in order: the oldest keep their place under memory pressure.
+        num_slots = self._num_slots
+        block_size = config.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            request_id = request.request_id
             computed = request.num_computed_tokens
             tokens = request.all_token_ids
             num_new = len(tokens) - computed
@@ -185,6 +192,17 @@ class Scheduler:
                     i += 1
                     continue
                 num_new = budget
+            if computed + num_new <= num_slots[request_id]:
+                # The common decode step: its table has room, so the manager would hand out
+                # nothing; and the workers hold it (anything else forces the slow path).
+                num_scheduled[request_id] = num_new
+                budget -= num_new
+                cached_ids.append(request_id)
+                cached_tokens.append(tokens[computed:computed + num_new])
+                cached_blocks.append([])
+                cached_computed.append(computed)
+                i += 1
+                continue
             new_blocks = allocate(request, num_new)
             while new_blocks is None:  # out of blocks: preempt until it fits or it is the victim
                 if not kv.can_fit(len(tokens)):
@@ -201,7 +219,10 @@ class Scheduler:
                 new_blocks = allocate(request, num_new)
             if new_blocks is None:
                 continue  # it left running: running[i] is already the next request
-            request_id = request.request_id
+            if num_slots[request_id] < 0:  # forced through the manager after a fork
+                num_slots[request_id] = len(kv.get_block_ids(request_id)) * block_size
+            else:
+                num_slots[request_id] += len(new_blocks) * block_size
             num_scheduled[request_id] = num_new
             budget -= num_new
             if request_id in on_workers and not (rewritten and request_id in rewritten):
@@ -244,6 +265,7 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit_tokens
             running.append(request)
+            num_slots[request.request_id] = len(new_blocks) * block_size
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             self._send_new(request, new_blocks, out)
@@ -266,15 +288,18 @@ class Scheduler:
             raise ValueError("the model runner's output does not answer the scheduled requests")
         requests = self.requests
         cache_blocks = self._cache_blocks
+        block_size = self.config.block_size
+        max_model_len = self.config.max_model_len
         finished = False
         for index, request_id in enumerate(req_ids):
             request = requests.get(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # aborted while the step ran
-            computed = request.num_computed_tokens + num_scheduled[request_id]
+            num_new = num_scheduled[request_id]
+            computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = computed
-            if cache_blocks is not None:
-                cache_blocks(request, computed)
+            if computed % block_size < num_new and cache_blocks is not None:
+                cache_blocks(request, computed)  # the step filled a block: into the prefix cache
             sampled = sampled_token_ids[index]
             tokens = request.all_token_ids
             if computed != len(tokens):
@@ -289,14 +314,24 @@ class Scheduler:
             elif len(sampled) != 1:
                 raise ValueError(f"request {request_id!r}: expected one sampled token, got {len(sampled)}")
             token = sampled[0]
-            request.output_token_ids.append(token)
+            outputs_so_far = request.output_token_ids
+            outputs_so_far.append(token)
             tokens.append(token)
-            reason, stop_reason = self._check_stop(request, token)
+            # Inline copy of _check_stop (this loop runs for every request every step).
+            reason = stop_reason = None
+            num_output = len(outputs_so_far)
+            if num_output >= params.min_tokens:
+                if token == request.eos_token_id and not params.ignore_eos:
+                    reason = _STOP
+                elif token in params.stop_token_ids:
+                    reason, stop_reason = _STOP, token
+            if reason is None and (num_output >= params.max_tokens or len(tokens) >= max_model_len):
+                reason = _LENGTH
             if reason is not None:
                 self._finish(request, reason, stop_reason, self._finished_req_ids)
                 finished = True
             outputs.append(EngineCoreOutput(request_id, request.group_id, request.sample_index, [token],
-                                            new_logprobs, reason, stop_reason, request.num_prompt_tokens,
+                                            new_logprobs, reason, stop_reason, len(request.prompt_token_ids),
                                             request.num_cached_tokens))
         if finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
@@ -340,6 +375,7 @@ class Scheduler:
         if refund:
             self._unschedule(request_id, out)
         self.kv_cache_manager.free(request)
+        del self._num_slots[request_id]
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -377,6 +413,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request_id = request.request_id
         del self.requests[request_id]
+        self._num_slots.pop(request_id, None)
         group = self._groups[request.group_id]
         group.discard(request_id)
         if not group:
@@ -426,10 +463,12 @@ class Scheduler:
                     child.num_computed_tokens = 0
                 else:
                     child.status = _RUNNING
+                    self._num_slots[child.request_id] = -1
                     forked.append(child)
                     continue
             self.waiting.add_preempted(child)  # no room in the batch: it recomputes later
         if forked:
+            self._num_slots[parent.request_id] = -1  # its last block may now be shared
             at = self.running.index(parent)
             self.running[at:at] = forked
 
