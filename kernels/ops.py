@@ -14,6 +14,7 @@ import os
 import torch
 
 from . import reference
+from .validation import output_for
 
 BACKENDS = ("torch", "triton")
 ENV_VAR = "RAYPAGED_ATTENTION_BACKEND"
@@ -121,9 +122,6 @@ def copy_blocks(
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     if out is None:
         return result
-    if out.shape != result.shape or out.dtype != result.dtype:
-        raise ValueError(
-            f"out must be {tuple(result.shape)} {result.dtype}, got {tuple(out.shape)} {out.dtype}"
-        )
-    out.copy_(result)
-    return out
+    target = output_for(result, out)
+    target.copy_(result)
+    return target

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import LOG2_E, dot, dot_mode, num_sms
-from .validation import check_decode_inputs
+from .validation import check_decode_inputs, output_for
 
 @triton.jit
 def _decode_split_kernel(
@@ -198,14 +198,9 @@ def paged_decode_triton(
     defaults (benchmarks and tests).
     """
     check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides")
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous head_dim")
+    out = output_for(q, out)
     if num_seqs == 0:
         return out
     if max_seq_len is None:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import LOG2_E, dot, dot_mode
-from .validation import check_prefill_inputs
+from .validation import check_prefill_inputs, output_for
 
 
 @triton.jit
@@ -193,14 +193,9 @@ def paged_prefill_triton(
     block_m / block_n / num_warps / num_stages override the tuned defaults (benchmarks, tests).
     """
     check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides")
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous head_dim")
+    out = output_for(q, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -147,3 +147,24 @@ def relative_error_per_row(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor
     """‖out − ref‖ / ‖ref‖ for every (token, head) row, in float64. NaN stays NaN."""
     diff = (out.double() - ref.double()).flatten(0, -2).norm(dim=-1)
     return diff / ref.double().flatten(0, -2).norm(dim=-1).clamp_min(1e-30)
+
+
+def check_against_reference(out: torch.Tensor, reference_fn, dtype: torch.dtype) -> float:
+    """Raise AssertionError unless `out` matches the reference; return its worst row error.
+
+    reference_fn(compute_dtype) gives the reference at that matmul precision. fp32: ≤ 1e-4
+    relative per (token, head) row. fp16/bf16: within 2x (+1e-3) of the error the reference
+    itself makes when computed in that dtype. NaN or inf never passes.
+    """
+    if not torch.isfinite(out).all():
+        raise AssertionError("NaN/inf in the kernel output")
+    exact = reference_fn(torch.float32)
+    error = relative_error_per_row(out, exact).max().item()
+    if dtype == torch.float32:
+        limit = 1e-4
+    else:
+        baseline = relative_error_per_row(reference_fn(dtype), exact).max().item()
+        limit = 2 * baseline + 1e-3
+    if not error <= limit:
+        raise AssertionError(f"relative error {error:.3g} > {limit:.3g} ({dtype})")
+    return error

@@ -27,8 +27,8 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if k_cache.device != v_cache.device:
         raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("KV cache head_dim must be contiguous (stride 1)")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides, with head_dim contiguous")
 
 
 def _check_index(name: str, tensor: torch.Tensor, dim: int, dtypes: tuple, device) -> None:
@@ -117,3 +117,15 @@ def check_table_contents(
     used = block_tables[needed]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         raise ValueError(f"block_tables uses block ids outside [0, {num_blocks})")
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked against q's shape and dtype, or a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with contiguous head_dim, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    return out

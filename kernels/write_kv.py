@@ -58,8 +58,6 @@ def write_kv_triton(
 ) -> None:
     """Store key/value [T, Hkv, D] at slot_mapping [T]; -1 writes nothing. No host sync."""
     check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides")
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

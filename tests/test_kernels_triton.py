@@ -6,8 +6,9 @@ the checks on CUDA in bf16 at larger sizes (scripts/gpu_kernels.sh). Every batch
 kernel must not read, and NaN in the output buffer before the launch, so an unwritten output
 element or a stray read fails.
 
-Tolerances: fp32 ≤ 1e-4 relative per (token, head) row against the fp32 reference. fp16/bf16:
-within 2x (+1e-3) of the error that the same reference computed in that dtype makes.
+Tolerances (kernels.testing.check_against_reference): fp32 ≤ 1e-4 relative per (token, head) row
+against the fp32 reference; fp16/bf16 within 2x (+1e-3) of the error that the same reference
+computed in that dtype makes.
 """
 
 from __future__ import annotations
@@ -21,23 +22,15 @@ from raypaged.kernels import ops
 from raypaged.kernels.paged_decode import choose_num_splits, paged_decode_triton
 from raypaged.kernels.paged_prefill import paged_prefill_triton
 from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref, write_kv_ref
-from raypaged.kernels.testing import query_start_loc, random_paged_batch, relative_error_per_row
+from raypaged.kernels.testing import (
+    check_against_reference,
+    query_start_loc,
+    random_paged_batch,
+    relative_error_per_row,
+)
 from raypaged.kernels.write_kv import write_kv_triton
 
 ODD_LENS = [1, 17, 100, 513]
-
-
-def assert_matches_reference(out, reference_fn, dtype):
-    """reference_fn(compute_dtype) -> the reference output computed at that precision."""
-    assert torch.isfinite(out).all(), "NaN/inf in the kernel output"
-    error = relative_error_per_row(out, reference_fn(torch.float32)).max().item()
-    if dtype == torch.float32:
-        assert error <= 1e-4, error
-    else:
-        baseline = relative_error_per_row(
-            reference_fn(dtype), reference_fn(torch.float32)
-        ).max().item()
-        assert error <= 2 * baseline + 1e-3, (error, baseline)
 
 
 def check_decode(seq_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
@@ -51,7 +44,7 @@ def check_decode(seq_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale)
     result = paged_decode_triton(q, *args, out=out, **kernel_args)
     assert result is out
-    assert_matches_reference(
+    check_against_reference(
         out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd), dtype
     )
 
@@ -68,7 +61,7 @@ def check_prefill(seq_lens, query_lens, group, *, num_kv_heads=2, head_dim=64, b
     args = (batch.k_cache, batch.v_cache, batch.block_tables,
             query_start_loc(query_lens, device), batch.seq_lens, scale)
     paged_prefill_triton(q, *args, out=out, **kernel_args)
-    assert_matches_reference(
+    check_against_reference(
         out, lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), dtype
     )
 
@@ -207,12 +200,12 @@ def test_decode_and_prefill_offsets_past_int32(huge_pool_batch):
     args = (b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 0.125)
     for num_splits in (1, 2):
         out = paged_decode_triton(q, *args, num_splits=num_splits)
-        assert_matches_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
+        check_against_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
                                  torch.float16)
     qp = torch.randn(134, 4, 64, dtype=torch.float16)
     pargs = (b.k_cache, b.v_cache, b.block_tables, query_start_loc([100, 1, 33]), b.seq_lens, 0.125)
     out = paged_prefill_triton(qp, *pargs)
-    assert_matches_reference(out, lambda cd: paged_prefill_ref(qp, *pargs, compute_dtype=cd),
+    check_against_reference(out, lambda cd: paged_prefill_ref(qp, *pargs, compute_dtype=cd),
                              torch.float16)
 
 
@@ -319,7 +312,7 @@ def test_gpu_write_kv_and_int64_offsets():
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 128**-0.5)
     for num_splits in (1, 4):
         out = paged_decode_triton(q, *args, num_splits=num_splits)
-        assert_matches_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
+        check_against_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
                                  torch.bfloat16)
     slots = batch.block_tables[0, :3].long() * 16 + 5
     key = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -344,7 +337,7 @@ def test_gpu_decode_replays_in_a_cuda_graph():
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
-        assert_matches_reference(
+        check_against_reference(
             out, lambda cd: paged_decode_ref(q, *args, seq_lens, 0.088, compute_dtype=cd),
             torch.bfloat16,
         )
