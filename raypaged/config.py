@@ -33,6 +33,12 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch on CPU
     scheduling_policy: str = "fcfs"
+    # Ray (tensor_parallel_size > 1, or the engine actor)
+    ray_address: str | None = None  # None: start a local Ray (or use the one this process joined)
+    ray_cpus_per_worker: float | None = None  # None: 1 per GPU worker, 0.25 per CPU worker
+    use_compiled_graph: bool = True  # the per-step broadcast via a Ray Compiled Graph
+    step_timeout_s: float = 60.0  # a step slower than this means a hung worker group
+    ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
         checks = [

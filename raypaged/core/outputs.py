@@ -25,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # K/V already in the cache (prefix hit, or forked from a parent)
+    eos_token_id: int | None = None  # masked with the stop ids until min_tokens are out
 
 
 @dataclass

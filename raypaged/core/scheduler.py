@@ -350,7 +350,8 @@ class Scheduler:
         out.scheduled_new_reqs.append(NewRequestData(
             req_id=request_id, token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
-            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens))
+            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
+            eos_token_id=request.eos_token_id))
 
     def _pick_victim(self) -> int:
         """Index in running of the request to preempt: the newest (fcfs) or the lowest priority,

@@ -15,40 +15,24 @@ from raypaged.config import EngineConfig
 from raypaged.core.errors import UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
-from raypaged.core.scheduler import Scheduler, SchedulerConfig
+from raypaged.core.scheduler import Scheduler
+from raypaged.core.scheduler_config import SchedulerConfig
+from raypaged.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """What the engine and the frontend need to know of the model, read from config.json."""
-
-    model_dir: str
-    architecture: str
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str) -> "ModelInfo":
-        with open(os.path.join(model_dir, "config.json")) as f:
-            config = json.load(f)
-        eos = config.get("eos_token_id")
-        generation_config = os.path.join(model_dir, "generation_config.json")
-        if os.path.exists(generation_config):  # generation_config overrides, as in transformers
-            with open(generation_config) as f:
-                eos = json.load(f).get("eos_token_id", eos)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            model_dir=model_dir,
-            architecture=(config.get("architectures") or ["?"])[0],
-            vocab_size=config["vocab_size"],
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            eos_token_ids=eos_ids,
-        )
+def eos_token_ids(model_config: ModelConfig) -> tuple[int, ...]:
+    """EOS ids as transformers' generate uses them: generation_config.json over config.json."""
+    path = os.path.join(model_config.model_dir or "", "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return model_config.eos_token_ids
 
 
 def resolve_model_dir(config: EngineConfig) -> str:
@@ -64,11 +48,10 @@ class EngineCore:
         config.validate()
         self.config = config
         self.model_dir = resolve_model_dir(config)
-        self.model_info = ModelInfo.from_model_dir(self.model_dir)
-        self.max_model_len = config.max_model_len or self.model_info.max_position_embeddings
-        if self.max_model_len > self.model_info.max_position_embeddings:
-            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
-                           self.max_model_len, self.model_info.max_position_embeddings)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir, config.max_model_len)
+        self.model_config.check_tensor_parallel(config.tensor_parallel_size)
+        self.eos_token_ids = eos_token_ids(self.model_config)
+        self.max_model_len = self.model_config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
             else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
@@ -92,13 +75,13 @@ class EngineCore:
         ))
         self._pending_outputs: list[EngineCoreOutput] = []
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_info.architecture, self.num_blocks, config.block_size,
+                    self.model_config.architecture, self.num_blocks, config.block_size,
                     self.max_model_len)
 
     def add_request(self, request: Request) -> None:
         """Queue a request (its sampling params already validated). EOS comes from the model
         unless the caller set one; a model with several EOS ids stops on any of them."""
-        eos_ids = self.model_info.eos_token_ids
+        eos_ids = self.eos_token_ids
         if request.eos_token_id is None and eos_ids:
             request.eos_token_id = eos_ids[0]
             extra = tuple(t for t in eos_ids[1:] if t not in request.sampling_params.stop_token_ids)

@@ -28,12 +28,22 @@ class CachedRequestState:
     sampling_params: SamplingParams
     row: int  # its row in the BlockTable
     num_computed_tokens: int
+    eos_token_id: int | None = None
+
+    def min_tokens_stop_ids(self) -> list[int]:
+        """Token ids it may not sample yet: EOS and stop ids until min_tokens are out (as vLLM
+        and transformers' MinNewTokensLengthLogitsProcessor do)."""
+        params = self.sampling_params
+        if len(self.token_ids) - self.num_prompt_tokens >= params.min_tokens:
+            return []
+        eos = [] if self.eos_token_id is None or params.ignore_eos else [self.eos_token_id]
+        return list(params.stop_token_ids) + eos
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, vocab_size: int, device: torch.device,
-                 is_driver: bool = True) -> None:
+                 is_driver: bool = True, seed: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -42,7 +52,7 @@ class ModelRunner:
         self.is_driver = is_driver  # rank 0 samples; the other ranks only run the forward
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table = BlockTable(max_blocks_per_req=-(-max_model_len // block_size))
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed)
 
     # ---- applying the diff -------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -58,6 +68,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 row=self.block_table.add_row(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                eos_token_id=new.eos_token_id,
             )
         cached = out.scheduled_cached_reqs
         for req_id, token_ids, block_ids, num_computed in zip(
@@ -165,6 +176,11 @@ class ModelRunner:
             device=logits.device,
             sample_indices=sample_indices,
         )
+        for row, state in enumerate(row_states):
+            if state.sampling_params.min_tokens:
+                banned = state.min_tokens_stop_ids()
+                if banned:
+                    logits[row, banned] = float("-inf")
         sampled = self.sampler(logits, sampling_metadata)
         token_ids = sampled.sampled_token_ids.tolist()
         row_logprobs = sampled.logprobs_as_dicts() if sampled.logprobs is not None else None

@@ -138,7 +138,8 @@ class Worker:
                       torch.zeros(shape, dtype=self.dtype, device=self.device))
                      for _ in range(mc.num_hidden_layers)]
         self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, max_model_len,
-                                  vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0)
+                                  vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
+                                  seed=self.config.seed)
 
     # ---- per step ----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

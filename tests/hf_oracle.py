@@ -1,0 +1,50 @@
+"""Greedy continuations from Hugging Face transformers (fp32, CPU): the correctness oracle."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import torch
+
+
+@functools.cache
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_greedy(model_dir: str | Path, prompt: tuple[int, ...], max_new_tokens: int,
+              stop_on_eos: bool = False) -> list[int]:
+    """transformers' own greedy generate; EOS ignored unless asked (as ignore_eos=True)."""
+    return list(_hf_greedy(str(model_dir), tuple(prompt), max_new_tokens, stop_on_eos))
+
+
+@functools.cache
+def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int,
+               stop_on_eos: bool) -> tuple[int, ...]:
+    model = _hf_model(model_dir)
+    saved = model.generation_config.eos_token_id, model.config.eos_token_id
+    if not stop_on_eos:
+        # No EOS at all (not min_new_tokens, which would mask EOS and change the argmax).
+        # transformers falls back to the model's own configs, so clear it there.
+        model.generation_config.eos_token_id = model.config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    finally:
+        model.generation_config.eos_token_id, model.config.eos_token_id = saved
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0,
+                   prefix: list[int] | None = None) -> list[list[int]]:
+    """Prompts of the given lengths from ids 3.. (0-2 are unk/bos/eos), after a shared prefix."""
+    rng = random.Random(seed)
+    return [(prefix or []) + [rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]

@@ -1,0 +1,179 @@
+"""End to end through the real loader, scheduler, paged KV cache and sampler: greedy output is
+token-identical to transformers' generate (fp32, CPU) for every feature combination."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints import checkpoint_dir
+from hf_oracle import hf_greedy, random_prompts
+from raypaged import LLM, SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def vocab_of(name: str) -> int:
+    return json.loads((checkpoint_dir(name) / "config.json").read_text())["vocab_size"]
+
+
+def run(name: str, prompts: list[list[int]], params=GREEDY, **engine_kwargs):
+    llm = LLM(str(checkpoint_dir(name)), **engine_kwargs)
+    try:
+        return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
+
+
+def assert_matches_hf(name: str, prompts: list[list[int]], results, max_tokens: int = MAX_TOKENS):
+    for prompt, result in zip(prompts, results):
+        expected = hf_greedy(checkpoint_dir(name), tuple(prompt), max_tokens)
+        for sample in result.outputs:
+            assert sample.token_ids == expected, f"prompt of {len(prompt)} tokens"
+            assert sample.finish_reason == "length"
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3-rope", "llama-tied", "llama-sharded",
+                                  "llama-linear-rope", "mistral", "qwen2"])
+def test_greedy_matches_transformers_for_each_architecture(name):
+    prompts = random_prompts([1, 7, 17, 40], vocab_of(name), seed=1)
+    _, results = run(name, prompts)
+    assert_matches_hf(name, prompts, results)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_sizes(block_size):
+    prompts = random_prompts([3, 16, 33, 50], vocab_of("llama"), seed=2)
+    _, results = run("llama", prompts, block_size=block_size)
+    assert_matches_hf("llama", prompts, results)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_shared_prefixes_with_and_without_prefix_caching(prefix_caching):
+    vocab = vocab_of("qwen2")
+    prefix = random_prompts([37], vocab, seed=3)[0]
+    prompts = random_prompts([1, 5, 20], vocab, seed=4, prefix=prefix)
+    llm = LLM(str(checkpoint_dir("qwen2")), block_size=8, enable_prefix_caching=prefix_caching)
+    try:
+        first = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
+    finally:
+        llm.shutdown()
+    assert_matches_hf("qwen2", prompts, first + rest)
+    # The shared 37-token prefix is 4 full blocks of 8: the later prompts hit them.
+    expected_hits = 32 if prefix_caching else 0
+    assert [r.num_cached_tokens for r in rest] == [expected_hits, expected_hits]
+
+
+def test_chunked_prefill_with_a_small_token_budget():
+    prompts = random_prompts([45, 3, 30], vocab_of("llama"), seed=5)
+    _, results = run("llama", prompts, max_num_batched_tokens=16, block_size=8)
+    assert_matches_hf("llama", prompts, results)
+
+
+def test_forced_preemption_on_a_tiny_pool():
+    prompts = random_prompts([20, 25, 30, 12], vocab_of("llama"), seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # 14 blocks of 8 tokens hold ~2 of these requests at full length: the rest are preempted
+    # and recomputed, and must still produce the same tokens.
+    llm, results = run("llama", prompts, params, block_size=8, num_gpu_blocks_override=14)
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+    assert_matches_hf("llama", prompts, results, max_tokens=24)
+
+
+def test_parallel_sampling_each_sample_equals_the_single_greedy_result():
+    prompts = random_prompts([13, 24], vocab_of("llama"), seed=7)  # partial last blocks: CoW
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    _, results = run("llama", prompts, params, block_size=8)
+    for result in results:
+        assert [o.index for o in result.outputs] == [0, 1, 2]
+    assert_matches_hf("llama", prompts, results)
+
+
+def test_triton_kernels_end_to_end_under_the_interpreter():
+    prompts = random_prompts([5, 19], vocab_of("llama"), seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    _, results = run("llama", prompts, params, block_size=8, attention_backend="triton")
+    assert_matches_hf("llama", prompts, results, max_tokens=4)
+
+
+def test_stops_on_eos_and_stop_token_ids():
+    name = "llama"
+    prompt = random_prompts([9], vocab_of(name), seed=9)[0]
+    expected = hf_greedy(checkpoint_dir(name), tuple(prompt), MAX_TOKENS)
+    stop_id = expected[4]
+    first = expected.index(stop_id)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_id])
+    llm = LLM(str(checkpoint_dir(name)))
+    try:
+        [result] = llm.generate({"prompt_token_ids": prompt}, params)
+        assert result.outputs[0].token_ids == expected[: first + 1]
+        assert (result.outputs[0].finish_reason, result.outputs[0].stop_reason) == ("stop", stop_id)
+        # min_tokens keeps the stop token from being sampled until enough tokens exist.
+        [held] = llm.generate({"prompt_token_ids": prompt},
+                              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                             stop_token_ids=[stop_id], min_tokens=first + 2))
+        held_ids = held.outputs[0].token_ids
+        assert held_ids[:first] == expected[:first] and held_ids[first] != stop_id
+        assert len(held_ids) >= first + 2
+        # EOS: make the model's EOS the stop token; transformers stops there too.
+        llm.engine.eos_token_ids = (stop_id,)
+        [eos] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0,
+                                                                          max_tokens=MAX_TOKENS))
+        assert eos.outputs[0].token_ids == expected[: first + 1]
+        assert eos.outputs[0].finish_reason == "stop"
+    finally:
+        llm.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    prompts = random_prompts([6, 11], vocab_of("llama"), seed=10)
+    llm = LLM(str(checkpoint_dir("llama")))
+    try:
+        def sample(seed, batch):
+            params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed, ignore_eos=True)
+            return [r.outputs[0].token_ids for r in
+                    llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+        alone = sample(123, prompts[:1])[0]
+        batched = sample(123, prompts)[0]  # different batch composition, same tokens
+        assert alone == batched
+        assert sample(124, prompts[:1])[0] != alone
+    finally:
+        llm.shutdown()
+
+
+def test_text_prompts_stop_strings_and_logprobs():
+    llm = LLM(str(checkpoint_dir("llama")))
+    try:
+        [plain] = llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=12,
+                                                                     ignore_eos=True, logprobs=2))
+        sample = plain.outputs[0]
+        assert plain.prompt_token_ids == llm.tokenizer.encode("The quick brown fox")
+        assert sample.text == llm.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        assert len(sample.logprobs) == len(sample.token_ids)
+        for token, logprobs in zip(sample.token_ids, sample.logprobs):
+            assert token in logprobs and 2 <= len(logprobs) <= 3
+            assert max(logprobs.values()) == logprobs[token]  # greedy picks the most likely
+        stop = sample.text[3:6]
+        [stopped] = llm.generate("The quick brown fox", SamplingParams(
+            temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]))
+        assert stopped.outputs[0].text == sample.text[: sample.text.index(stop)]
+        assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", stop)
+        assert llm.engine.scheduler.kv_cache_manager.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_generate_cli_prints_json():
+    out = subprocess.run(
+        [sys.executable, "-m", "raypaged.cli", "generate", "--model", str(checkpoint_dir("llama")),
+         "--prompt", "The quick", "--max-tokens", "5", "--ignore-eos", "--json"],
+        check=True, capture_output=True, text=True, timeout=300).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    [sample] = result["outputs"]
+    expected = hf_greedy(checkpoint_dir("llama"), tuple(result["prompt_token_ids"]), 5)
+    assert sample["token_ids"] == expected and sample["finish_reason"] == "length"
