@@ -47,10 +47,13 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     # Requests the workers must drop before this step: finished, aborted or preempted since
-    # the last step (a preempted one comes back later as a NewRequestData).
+    # the last step (a preempted one comes back later as a NewRequestData). Only ids the workers
+    # hold. An id may also be in scheduled_new_reqs of the same output: copy-on-write replaced a
+    # block in its table, so it is dropped and sent again whole (drop first, then add).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Copy-on-write: (src block, dst block) pairs to copy in every layer before the forward.
+    # Copy-on-write: (src block, dst block) pairs to copy in every layer before the forward. No
+    # dst repeats or is also a src, so one batched gather-then-scatter applies them all.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
