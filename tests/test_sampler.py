@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 )
 
 from raypaged.core.sampling_params import SamplingParams
-from raypaged.worker.sampler import Sampler, processed_logits
+from raypaged.worker.sampler import Sampler, apply_top_k_top_p, processed_logits
 from raypaged.worker.sampling_metadata import SamplingMetadata
 
 # Chi-square critical value for 5 degrees of freedom at p ~ 1e-6: a correct sampler fails this
@@ -110,14 +110,42 @@ def test_mixed_batch_matches_transformers_row_by_row(seed):
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3, 4, 7])
-@pytest.mark.parametrize("top_p", [1.0, 0.5])
-def test_top_k_keeps_ties_like_transformers(top_k, top_p):
-    # Integer logits make ties at the k-th value; both the topk path (top-p off) and the sort
-    # path (top-p on) must keep every tied token, as transformers does.
+def test_top_k_keeps_ties_like_transformers(top_k):
+    # Integer logits make ties at the k-th value: every tied token stays, as in transformers.
     logits = torch.tensor([[3.0, 1.0, 3.0, 2.0, 2.0, 2.0, 0.0, 1.0]])
-    p = SamplingParams(top_k=top_k, top_p=top_p)
+    p = SamplingParams(top_k=top_k)
     actual = processed_logits(logits, build([p], logits=logits))[0]
     assert_same_filtering(actual, hf_reference(logits[0], p, [0], []))
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept(top_k):
+    # The nucleus ends inside a tie group: transformers keeps whichever tied tokens its sort
+    # put last; the sampler keeps them all, so the result does not depend on sort order.
+    logits = torch.tensor([[3.0, 1.0, 3.0, 2.0, 2.0, 2.0, 0.0, 1.0]])
+    p = SamplingParams(top_p=0.25, top_k=top_k)
+    actual = processed_logits(logits, build([p], logits=logits))[0]
+    transformers_kept = ~torch.isinf(hf_reference(logits[0], p, [0], []))
+    assert transformers_kept.sum() == 1
+    assert (~torch.isinf(actual)).tolist() == (logits[0] == 3.0).tolist()
+    assert (transformers_kept & torch.isinf(actual)).sum() == 0
+
+
+@pytest.mark.parametrize("candidates", [1, 4, 16, 1024])
+def test_top_p_candidate_prefix_and_full_sort_agree_with_transformers(candidates):
+    # A nucleus that fits in the candidate prefix is found there; one that does not (flat rows,
+    # high p) falls back to a full sort of that row alone. Both must equal transformers.
+    torch.manual_seed(10)
+    vocab_size = 64
+    scales = torch.tensor([0.1, 0.5, 1.0, 3.0, 8.0, 20.0]).repeat_interleave(4)
+    logits = torch.randn(len(scales), vocab_size) * scales.unsqueeze(1)
+    top_ps = [0.2, 0.6, 0.9, 0.99] * 6
+    top_ks = [-1, 30, -1, 5, 2, -1] * 4
+    params = [SamplingParams(top_p=p, top_k=k) for p, k in zip(top_ps, top_ks)]
+    md = build(params, logits=logits)
+    actual = apply_top_k_top_p(logits.clone(), md.top_k, md.max_top_k, md.top_p, candidates)
+    for row, p in enumerate(params):
+        assert_same_filtering(actual[row], hf_reference(logits[row], p, [0], []))
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.6, 0.9, 0.999])
@@ -175,7 +203,8 @@ def test_repetition_penalty_matches_transformers():
     out = processed_logits(logits, build(params, prompts, outputs, logits=logits))
     for row in range(2):
         ids = torch.tensor([prompts[row] + outputs[row]])
-        expected = RepetitionPenaltyLogitsProcessor(params[row].repetition_penalty)(ids, logits[row:row + 1].clone())
+        processor = RepetitionPenaltyLogitsProcessor(params[row].repetition_penalty)
+        expected = processor(ids, logits[row:row + 1].clone())
         torch.testing.assert_close(out[row], expected[0], rtol=0, atol=0)
     assert torch.equal(out[2], logits[2])  # no penalty asked: bit-identical
 
@@ -398,6 +427,7 @@ def test_greedy_fast_path_logprobs_from_half_precision():
     (dict(sample_indices=[1, 0]), ValueError, r"sample_indices\[0\] = 1 is outside \[0, n=1\)"),
     (dict(outputs=[[], [3, 10]]), ValueError, r"output_token_ids\[1\] holds a token id outside"),
     (dict(prompts=[[0], [-1]]), ValueError, r"prompt_token_ids\[1\] holds a token id outside"),
+    (dict(outputs=[[], [1.5]]), ValueError, "output_token_ids must hold integer token ids"),
     (dict(vocab_size=0), ValueError, "vocab_size must be a positive integer"),
 ])
 def test_bad_metadata_input_raises(kwargs, error, match):

@@ -151,31 +151,61 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Filter to the top-k tokens (ties with the k-th kept, as transformers and vLLM do), then to
-    the smallest set whose probability reaches top_p (the most likely token always stays).
-    Rows with k = V or p = 1 are untouched. May modify `logits` in place."""
-    vocab_size = logits.shape[-1]
-    if top_p is None:
-        # Top-k alone needs only the k largest values per row, not a full sort.
-        largest = torch.topk(logits, max_top_k, dim=-1).values
-        kth = largest.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
-        kth = kth.masked_fill_((top_k >= vocab_size).unsqueeze(1), float("-inf"))
-        return logits.masked_fill_(logits < kth, float("-inf"))
+# Top-p looks for its nucleus among this many most likely tokens first: a top-k of 1024 costs a
+# fraction of a full sort of a 128k vocabulary (0.3 vs 1.7 ms at batch 128 on an H200), and a
+# trained model's nucleus almost always fits. Rows whose nucleus does not fit are sorted in full.
+TOP_P_CANDIDATES = 1024
 
-    ascending, order = logits.sort(dim=-1)
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                      top_p: torch.Tensor | None, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """In place: filter to the top-k tokens, then to the nucleus: the most likely tokens up to
+    and including the one at which their probability (renormalized after top-k) reaches top_p.
+
+    Both filters are thresholds on the logit, so every token tied with the last one kept is
+    kept too — as transformers and vLLM do for top-k; for top-p they break such ties by sort
+    order, which only differs when a tie straddles the nucleus boundary. Rows with k = V and
+    p = 1 are untouched."""
+    vocab_size = logits.shape[-1]
+    neg_inf = float("-inf")
+    width = min(vocab_size, max(max_top_k, candidates if top_p is not None else 0))
+    largest = torch.topk(logits, width, dim=-1).values if width < vocab_size \
+        else logits.sort(dim=-1, descending=True).values
     if top_k is not None:
-        # In ascending order the k-th largest value sits at index V - k.
-        kth = ascending.gather(1, (vocab_size - top_k).unsqueeze(1))
-        ascending.masked_fill_(ascending < kth, float("-inf"))
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    remove = cumulative <= (1.0 - top_p).unsqueeze(1)
-    remove[:, -1] = False
-    # p = 1 rows would otherwise drop tokens whose probability underflows to exactly 0.
-    remove &= (top_p < 1.0).unsqueeze(1)
-    ascending.masked_fill_(remove, float("-inf"))
-    return logits.scatter_(1, order, ascending)
+        kth = largest.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
+        kth.masked_fill_((top_k >= vocab_size).unsqueeze(1), neg_inf)
+        logits.masked_fill_(logits < kth, neg_inf)
+    if top_p is None:
+        return logits
+
+    # Probabilities over the whole (top-k filtered) row, so candidates see the true mass.
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    threshold, complete = _nucleus_threshold(largest, log_total, top_p)
+    if width < vocab_size:
+        # One sync, and a full sort only of rows whose nucleus runs past the candidates.
+        spill = (~complete & (top_p < 1.0)).nonzero().flatten()
+        if spill.numel():
+            full = logits.index_select(0, spill).sort(dim=-1, descending=True).values
+            spill_threshold, _ = _nucleus_threshold(full, log_total.index_select(0, spill),
+                                                    top_p.index_select(0, spill))
+            threshold.index_copy_(0, spill, spill_threshold)
+    # p = 1 rows keep everything, even tokens whose probability underflows to 0.
+    threshold.masked_fill_((top_p >= 1.0).unsqueeze(1), neg_inf)
+    return logits.masked_fill_(logits < threshold, neg_inf)
+
+
+def _nucleus_threshold(descending: torch.Tensor, log_total: torch.Tensor,
+                       top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logits sorted in descending order (a prefix of each row, or all of it): the logit of
+    the last token in the nucleus [S, 1], and whether the nucleus ended inside the prefix [S].
+    A token is in the nucleus iff the mass strictly before it is below top_p, so the most
+    likely token always is."""
+    probs = (descending - log_total).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    in_nucleus = mass_before < top_p.unsqueeze(1)
+    count = in_nucleus.sum(dim=-1, keepdim=True)
+    complete = count.squeeze(1) < descending.shape[-1]
+    return descending.gather(1, count - 1), complete
 
 
 def compute_logprobs_outputs(logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int):
