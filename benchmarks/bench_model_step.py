@@ -115,6 +115,23 @@ def step_inputs(config, batch: int, query_len: int, context: int, num_blocks: in
     return ids, positions.to(device), meta, last_rows
 
 
+def profile(step, batch: int) -> None:
+    """Where an eager decode step's time goes: host-side op time and device kernel time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    print(f"--- profile, decode batch {batch}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
 def time_steps(args, device: torch.device) -> dict:
     config = ModelConfig.from_dict(LLAMA_8B)
     t0 = time.perf_counter()
@@ -124,7 +141,10 @@ def time_steps(args, device: torch.device) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     max_batch = max(args.batches)
-    num_blocks = max_batch * -(-args.context // BLOCK_SIZE) + 64
+    prefills = ((1, 512), (8, 512))
+    num_blocks = max(
+        max_batch * -(-args.context // BLOCK_SIZE), *(b * -(-n // BLOCK_SIZE) for b, n in prefills)
+    ) + 64
     shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads_per_rank(1), config.head_dim)
     caches = [
         (torch.randn(shape, dtype=torch.bfloat16, device=device),
@@ -145,6 +165,9 @@ def time_steps(args, device: torch.device) -> dict:
         def step():
             hidden = model(ids, positions, caches, meta)
             return model.compute_logits(hidden[last])
+
+        if args.profile:
+            profile(step, batch)
 
         with torch.inference_mode():
             eager = median_ms(step)
@@ -169,7 +192,7 @@ def time_steps(args, device: torch.device) -> dict:
               f"{graph_ms if graph_ms is None else round(graph_ms, 2)} ms, floor {floor_ms:.2f} ms"
               + (f"  ({graph_error})" if graph_error else ""), flush=True)  # fmt: skip
 
-    for batch, length in ((1, 512), (8, 512)):
+    for batch, length in prefills:
         ids, positions, meta, last = step_inputs(config, batch, length, length, num_blocks, device)
         with torch.inference_mode():
             ms = median_ms(lambda: model.compute_logits(model(ids, positions, caches, meta)[last]))
@@ -187,6 +210,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a profile of each decode step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused import add_rms_norm, rms_norm
 from .parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -55,16 +56,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm decoder's residual step."""
-        summed = residual + x
-        return self.forward(summed), summed
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:
         return tuple(self.weight.shape)

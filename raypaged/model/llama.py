@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .fused import silu_and_mul
 from .layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -27,7 +27,7 @@ from .layers import (
     VocabParallelEmbedding,
 )
 from .parallel import get_tp_size
-from .rotary import RotaryAngles, RotaryEmbedding
+from .rotary import RotaryEmbedding, StepRotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -54,13 +54,13 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        rope: RotaryAngles,
+        rope: StepRotary,
         hidden: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = rope.rotate(q), rope.rotate(k)
+        q, k = rope.apply(q, k)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -77,8 +77,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: RotaryAngles,
+        rope: StepRotary,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: KVCache,

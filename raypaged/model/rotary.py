@@ -3,19 +3,21 @@ llama3 frequency scaling.
 
 cos/sin are computed per step from the positions instead of looked up in a precomputed
 [max_position, head_dim] table: the cost is T·D/2 cosines (negligible next to attention), there is
-no table to size against max_position_embeddings, and the arithmetic is exactly Hugging Face's
-(fp32 `position * inv_freq`, then cast to the activation dtype), so fp32 logits match it tightly.
+no table to size against max_position_embeddings, and on the torch path the arithmetic is exactly
+Hugging Face's (fp32 `position * inv_freq`, then cast to the activation dtype), so fp32 logits
+match it tightly. On CUDA one fused kernel computes the angles and rotates q and k in place.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .config import RopeConfig
+from .fused import rope_in_place, use_triton
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -60,20 +62,33 @@ class RotaryEmbedding(nn.Module):
             persistent=False,
         )
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
-        """positions [T] -> their cos/sin, [T, 1, D] each, in the activation dtype.
-
-        Computed once per step and shared by every layer (all layers rotate alike).
-        """
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
+        """The rotation of this step's tokens, computed once and shared by every layer."""
+        if use_triton(positions):  # the fused kernel computes its angles itself
+            return StepRotary(positions, self.inv_freq, None, None)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return RotaryAngles(angles.cos().to(dtype), angles.sin().to(dtype))
+        return StepRotary(positions, self.inv_freq, angles.cos().to(dtype), angles.sin().to(dtype))
 
 
-class RotaryAngles(NamedTuple):
-    cos: torch.Tensor
-    sin: torch.Tensor
+@dataclass(frozen=True)
+class StepRotary:
+    positions: torch.Tensor  # [T] int64
+    inv_freq: torch.Tensor  # [D/2] fp32
+    cos: torch.Tensor | None  # [T, 1, D] in the activation dtype (torch path only)
+    sin: torch.Tensor | None
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by its token's angles."""
-        return x * self.cos + _rotate_half(x) * self.sin
+    def apply(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, Hq, D], key [T, Hkv, D] rotated by their tokens' positions.
+
+        On the fused path they are rotated in place (they are views into the qkv output).
+        """
+        if self.cos is None or self.sin is None:
+            rope_in_place(query, key, self.positions, self.inv_freq)
+            return query, key
+        return (
+            query * self.cos + _rotate_half(query) * self.sin,
+            key * self.cos + _rotate_half(key) * self.sin,
+        )

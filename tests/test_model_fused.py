@@ -1,0 +1,113 @@
+"""The fused Triton elementwise kernels (run here under TRITON_INTERPRET=1) against their torch
+versions, which are transformers' arithmetic; then the whole model through them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import checkpoint_dir
+from model_harness import PagedHarness, run_mixed_schedule
+
+from raypaged.model import fused
+from raypaged.model.config import ModelConfig, RopeConfig
+from raypaged.model.loader import load_model
+from raypaged.model.rotary import RotaryEmbedding
+
+# fp32: the same math up to summation order. bf16: the fused kernels round once, the torch
+# versions after every op, so they may differ by a rounding step or two.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture
+def triton_path():
+    fused.set_force_triton(True)
+    yield
+    fused.set_force_triton(False)
+
+
+def _randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_and_residual_add_match_torch(dtype, hidden):
+    x = _randn(5, hidden + 8, dtype=dtype)[:, :hidden]  # rows strided, like a view
+    residual = _randn(5, hidden, dtype=dtype, seed=1)
+    weight = _randn(hidden, dtype=dtype, seed=2)
+    expected = fused.rms_norm_torch(x, weight, 1e-5)
+    expected_sum = residual + x
+    expected_add = fused.rms_norm_torch(expected_sum, weight, 1e-5)
+    fused.set_force_triton(True)
+    try:
+        out = fused.rms_norm(x, weight, 1e-5)
+        out_add, summed = fused.add_rms_norm(x, residual, weight, 1e-5)
+    finally:
+        fused.set_force_triton(False)
+    assert out.dtype == dtype and summed.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    # (bf16: the interpreter's fp32 -> bf16 conversion may truncate where a GPU rounds)
+    torch.testing.assert_close(summed, expected_sum, **TOLERANCE[dtype])
+    torch.testing.assert_close(out_add, expected_add, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [40, 1100])  # 1100: more than one column block per row
+def test_silu_and_mul_matches_torch(dtype, cols, triton_path):
+    gate_up = _randn(3, 2 * cols, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_rope_in_place_matches_torch_rotation(dtype, head_dim):
+    tokens, q_heads, kv_heads = 6, 4, 2
+    qkv = _randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype) * 3
+    q_rows, kv_rows = q_heads * head_dim, kv_heads * head_dim
+    positions = torch.tensor([0, 1, 7, 100, 3000, 5])
+    rope = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0))
+
+    def views(t):
+        q, k, v = t.split([q_rows, kv_rows, kv_rows], dim=-1)
+        return (q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim),
+                v.view(tokens, kv_heads, head_dim))  # fmt: skip
+
+    q, k, v = views(qkv.clone())
+    expected_q, expected_k = rope(positions, dtype).apply(q, k)
+    q, k, v = views(qkv)
+    v_before = v.clone()
+    fused.set_force_triton(True)
+    try:
+        step = rope(positions, dtype)
+        assert step.cos is None  # the fused kernel computes its own angles
+        out_q, out_k = step.apply(q, k)
+    finally:
+        fused.set_force_triton(False)
+    assert out_q.data_ptr() == q.data_ptr()  # rotated in place, inside qkv
+    torch.testing.assert_close(out_q, expected_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(out_k, expected_k, **TOLERANCE[dtype])
+    torch.testing.assert_close(v, v_before, rtol=0, atol=0)  # v untouched
+
+
+def test_model_through_fused_kernels_matches_transformers(triton_path):
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint_dir("qwen2")
+    config = ModelConfig.from_pretrained(path)
+    model = load_model(path, dtype=torch.float32, progress=False)
+    harness = PagedHarness(model, config, block_size=8, num_blocks=24, seed=4)
+    generator = torch.Generator().manual_seed(9)
+    prompts = {
+        f"req{i}": torch.randint(3, config.vocab_size, (n,), generator=generator).tolist()
+        for i, n in enumerate((4, 13))
+    }
+    generated = run_mixed_schedule(harness, prompts, decode_steps=3, chunk="req1")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for req, prompt in prompts.items():
+        tokens = harness.tokens[req][: harness.num_computed[req]]
+        with torch.no_grad():
+            expected = hf(torch.tensor([tokens])).logits[0]
+        torch.testing.assert_close(harness.logits_of(req), expected, rtol=1e-4, atol=1e-4)
+        assert generated[req] == expected[len(prompt) - 1 :].argmax(-1).tolist()[: len(generated[req])]
