@@ -7,7 +7,7 @@ head, and streams that request's K/V in BLOCK_N-token tiles through the block ta
 online softmax. Tiles wholly before the program's first query need no causal mask and run in a
 separate loop; only the diagonal tiles pay for masking.
 
-The grid is (num_tokens // BLOCK_M + num_seqs, num_q_heads): an upper bound on the query tiles
+The grid is (num_q_heads, num_tokens // BLOCK_M + num_seqs): the second is an upper bound on the query tiles
 of any varlen batch of that many tokens and requests, so it depends on shapes only. Request s
 owns tile indices from query_start_loc[s] // BLOCK_M + s on; each program finds its request by
 binary search and exits if its tile is past the request's tokens.
@@ -21,6 +21,14 @@ import triton.language as tl
 
 from .triton_common import LOG2_E, dot, dot_mode
 from .validation import check_prefill_inputs, output_for
+
+
+@triton.jit
+def _load_tile(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -42,32 +50,37 @@ def _attend_tiles(
     dims,
     dim_ok,
     CAUSAL: tl.constexpr,
+    EVEN_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):
-    """Online-softmax update over key positions [kv_from, kv_to), masked causally if CAUSAL."""
+    """Online-softmax update over key positions [kv_from, kv_to).
+
+    CAUSAL=False is the hot loop over whole tiles that every query sees: no masks at all.
+    CAUSAL=True handles the diagonal: keys past kv_to or after a row's own position are masked.
+    """
     for tile_start in range(kv_from, kv_to, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_ok = key_pos < kv_to
         # Masked lanes never load: unused slots and table entries may hold anything (NaN).
-        blocks = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offsets = blocks * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + head_offset
+        blocks = _load_tile(table_row + key_pos // BLOCK_SIZE, key_ok, CAUSAL)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = dot(q, tl.trans(k), DOT_MODE) * scale_log2
+        MASK_KV: tl.constexpr = CAUSAL or not EVEN_DIM
+        offsets = blocks.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+        kv_ptrs = (offsets + head_offset)[:, None] + dims[None, :]
+        k = _load_tile(k_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
+        qk = dot(q, tl.trans(k), DOT_MODE)
         if CAUSAL:
             visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
-        else:
-            visible = key_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # Rows that have seen no visible key yet keep m = -inf; subtracting 0 keeps them NaN-free.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        # Scaling folded into one FMA per score. Every row sees key 0 or its own position in its
+        # first tile, so m_new is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        p = tl.exp2(qk * scale_log2 - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = _load_tile(v_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
         m_i = m_new
     return acc, m_i, l_i
@@ -100,9 +113,10 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):
-    # Heaviest (latest) tiles first: under causality they stream the most keys.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
+    # Heads vary fastest and tiles run latest-first: under causality the latest tiles stream
+    # the most keys, so the heaviest work starts first and the tail is short.
+    head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
 
     # Largest s with query_start_loc[s] // BLOCK_M + s <= tile.
     lo = tl.full([], 0, tl.int32)
@@ -145,12 +159,12 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         0, unmasked_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        CAUSAL=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
+        CAUSAL=False, EVEN_DIM=HEAD_DIM == DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         unmasked_end, kv_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        CAUSAL=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
+        CAUSAL=True, EVEN_DIM=HEAD_DIM == DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
     )
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -202,7 +216,7 @@ def paged_prefill_triton(
     config = default_launch_config(head_dim, q.dtype, q.device)
     block_m = block_m or config["block_m"]
     block_n = block_n or config["block_n"]
-    grid = (num_tokens // block_m + num_seqs, num_q_heads)
+    grid = (num_q_heads, num_tokens // block_m + num_seqs)
     _prefill_kernel[grid](
         q,
         k_cache,

@@ -80,7 +80,7 @@ def test_decode_fp32_gqa_split_and_no_split(group, num_splits):
     [(torch.bfloat16, 8, 128), (torch.float16, 32, 128), (torch.bfloat16, 16, 64)],
 )
 def test_decode_half_precision_with_chosen_splits(dtype, block_size, head_dim):
-    # num_splits left to the heuristic: max_seq_len 513 over 2 seqs x 2 heads -> 2 splits.
+    # num_splits left to the heuristic: max_seq_len 513, 3 seqs x 2 KV heads -> 2 splits.
     check_decode(ODD_LENS[1:], 4, dtype=dtype, block_size=block_size, head_dim=head_dim,
                  max_seq_len=513)
 
