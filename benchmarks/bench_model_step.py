@@ -216,8 +216,9 @@ def main() -> None:
     device = torch.device("cuda")
     report = {
         "device": torch.cuda.get_device_name(device),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=ROOT).stdout.strip(),
+        "commit": subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
+                                 capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        or "unknown (no git checkout on this machine)",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "triton": __import__("triton").__version__},
     }  # fmt: skip
