@@ -21,8 +21,9 @@ Prompt = Union[str, dict]
 
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 tensor_parallel_size: int = 1, **engine_kwargs) -> None:
-        from transformers import AutoTokenizer
+                 tensor_parallel_size: int = 1, skip_tokenizer_init: bool = False,
+                 **engine_kwargs) -> None:
+        """skip_tokenizer_init: token ids in and out only (no text), as in vLLM."""
 
         config = EngineConfig(model=model, tokenizer=tokenizer,
                               tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
@@ -30,7 +31,11 @@ class LLM:
         if tensor_parallel_size > 1:
             from raypaged.executor.ray_executor import RayExecutor as executor_class
         self.engine = EngineCore(config, executor_class=executor_class)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.engine.model_dir)
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.engine.model_dir)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -69,6 +74,8 @@ class LLM:
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])
@@ -82,12 +89,14 @@ class LLM:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + list(out.new_logprobs)
-        sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         if out.finished:
             sample.finish_reason = out.finish_reason.value
             sample.stop_reason = out.stop_reason
-        if params.stop and not sample.finished:
-            self._check_stop_strings(sample, out.req_id, params)
+        # Text only where it is needed: at the end, or every step while stop strings are watched.
+        if self.tokenizer is not None and (out.finished or params.stop):
+            sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            if params.stop and not sample.finished:
+                self._check_stop_strings(sample, out.req_id, params)
 
     def _check_stop_strings(self, sample: CompletionOutput, req_id: str, params: SamplingParams) -> None:
         hits = [(sample.text.find(s), s) for s in params.stop if s in sample.text]

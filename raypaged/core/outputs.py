@@ -86,6 +86,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when the engine failed the request (finish_reason ABORT)
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 
 from raypaged.config import EngineConfig
 from raypaged.core.errors import UnknownRequestError
@@ -17,6 +18,7 @@ from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
 from raypaged.core.scheduler import Scheduler
 from raypaged.core.scheduler_config import SchedulerConfig
+from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,16 @@ def resolve_model_dir(config: EngineConfig) -> str:
     return demo_model_path()
 
 
+def default_executor_class(config: EngineConfig) -> type:
+    if config.tensor_parallel_size > 1:
+        from raypaged.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    from raypaged.executor.uniproc import UniprocExecutor
+
+    return UniprocExecutor
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
         config.validate()
@@ -57,7 +69,7 @@ class EngineCore:
             else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
 
         if executor_class is None:
-            from raypaged.executor.uniproc import UniprocExecutor as executor_class
+            executor_class = default_executor_class(config)
         self.executor = executor_class(config, self.model_dir)
         self.num_blocks = self.executor.determine_num_blocks(self.max_model_len,
                                                              self.max_num_batched_tokens)
@@ -74,6 +86,10 @@ class EngineCore:
             max_waiting_requests=config.max_waiting_requests,
         ))
         self._pending_outputs: list[EngineCoreOutput] = []
+        # One thread steps; others add and abort. The lock is held for bookkeeping only, never
+        # while the workers run the model.
+        self._lock = threading.Lock()
+        self._executor_class = executor_class
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, self.num_blocks, config.block_size,
                     self.max_model_len)
@@ -89,28 +105,55 @@ class EngineCore:
                 request.sampling_params = dataclasses.replace(
                     request.sampling_params,
                     stop_token_ids=request.sampling_params.stop_token_ids + extra)
-        self.scheduler.add_request(request)
+        with self._lock:
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort what is still held; ids that already finished are a benign race, not an error.
         The abort records go out with the next step's outputs."""
-        for request_id in request_ids:
-            try:
-                self._pending_outputs.extend(self.scheduler.abort_requests([request_id]))
-            except UnknownRequestError:
-                pass
+        with self._lock:
+            for request_id in request_ids:
+                try:
+                    self._pending_outputs.extend(self.scheduler.abort_requests([request_id]))
+                except UnknownRequestError:
+                    pass
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
 
     def step(self) -> list[EngineCoreOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
-        if not self.scheduler.has_unfinished_requests():
-            return outputs
-        scheduler_output = self.scheduler.schedule()
-        model_output = self.executor.execute_model(scheduler_output)
-        outputs.extend(self.scheduler.update_from_output(scheduler_output, model_output))
+        with self._lock:
+            outputs, self._pending_outputs = self._pending_outputs, []
+            if not self.scheduler.has_unfinished_requests():
+                return outputs
+            scheduler_output = self.scheduler.schedule()
+        try:
+            model_output = self.executor.execute_model(scheduler_output)
+        except WorkerGroupError as e:
+            return outputs + self._fail_all(f"the model workers failed: {e}")
+        with self._lock:
+            outputs.extend(self.scheduler.update_from_output(scheduler_output, model_output))
         return outputs
+
+    def _fail_all(self, message: str) -> list[EngineCoreOutput]:
+        """Abort every unfinished request with an error and restart the worker group, so the
+        engine keeps serving new requests. (Recomputing them instead is [reliability]'s work.)"""
+        logger.error("%s; failing in-flight requests and restarting the workers", message)
+        with self._lock:
+            ids = list(self.scheduler.requests)
+            failed = self.scheduler.abort_requests(ids) if ids else []
+        for out in failed:
+            out.error = message
+        self.restart_workers()
+        return failed
+
+    def restart_workers(self) -> None:
+        try:
+            self.executor.shutdown()
+        except Exception:  # the group is already broken; what matters is the new one
+            logger.debug("executor shutdown after failure", exc_info=True)
+        self.executor = self._executor_class(self.config, self.model_dir)
+        self.executor.initialize_cache(self.num_blocks, self.max_model_len)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,0 +1,212 @@
+"""The whole engine on one device: decode step time and offline throughput, beside transformers.
+
+    python benchmarks/bench_engine.py                       # CPU-sized: a tiny random Llama
+    python benchmarks/bench_engine.py --shape 8b --hf       # the H200 run (issue 4)
+
+Model: a Llama of the chosen shape with random weights (load_format "dummy"), run through the
+real engine (scheduler, paged KV cache, Triton kernels on CUDA). It reports
+  - decode step time at each --batch-sizes with --context tokens of context, against the floor
+    of reading the weights and the KV once at the copy bandwidth measured in the same run;
+  - output tokens/s for --throughput-batch requests of --prompt-len tokens generating
+    --output-len tokens each, and (with --hf) transformers `generate` on the same requests.
+Writes benchmarks/results/engine_<shape>_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, environment, write_json  # noqa: E402
+
+from raypaged import LLM, SamplingParams  # noqa: E402
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0),
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                 max_position_embeddings=2048, rope_theta=10000.0),
+}
+
+
+def write_config(shape: str, dtype: str, directory: Path) -> Path:
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                  torch_dtype=dtype, **SHAPES[shape])
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def weight_bytes(shape: str, element: int) -> int:
+    s = SHAPES[shape]
+    h, i, layers, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    head_dim = h // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    return element * (layers * per_layer + 2 * v * h + h)
+
+
+def kv_bytes_per_token(shape: str, element: int) -> int:
+    s = SHAPES[shape]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim * element
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(count)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
+                   device: torch.device) -> float:
+    """Median engine step time with `batch` requests all decoding at ~`context` tokens."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    from raypaged.core.request import Request
+
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for request_id, prompt in zip(ids, prompts(batch, context, vocab, seed=batch)):
+        engine.add_request(Request(request_id, prompt["prompt_token_ids"], params))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()  # prefill (possibly chunked) until every request is decoding
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()  # returns sampled ids to the host: the step is complete when it returns
+        times.append(time.perf_counter() - start)
+    engine.abort_requests(ids)
+    engine.step()
+    return statistics.median(times) * 1e3
+
+
+def throughput(llm: LLM, count: int, prompt_len: int, output_len: int, vocab: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    batch = prompts(count, prompt_len, vocab, seed=7)
+    llm.generate(batch[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    results = llm.generate(batch, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for r in results for o in r.outputs)
+    assert generated == count * output_len, generated
+    return {"requests": count, "output_tokens": generated, "seconds": elapsed,
+            "output_tokens_per_s": generated / elapsed}
+
+
+def hf_throughput(model_dir: Path, count: int, prompt_len: int, output_len: int, vocab: int,
+                  dtype: torch.dtype, device: torch.device) -> dict:
+    """transformers `generate`, static batch of the same requests (all one length: no padding)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    ids = torch.tensor([p["prompt_token_ids"] for p in prompts(count, prompt_len, vocab, seed=7)],
+                       device=device)
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=4, **{**kwargs, "attention_mask": torch.ones_like(ids[:2])})
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, **kwargs)
+        sync(device)
+        elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - prompt_len) * count
+    del model, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"requests": count, "output_tokens": generated, "seconds": elapsed,
+            "output_tokens_per_s": generated / elapsed}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=10)
+    parser.add_argument("--throughput-batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--hf", action="store_true", help="also time transformers generate")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    element = torch.tensor([], dtype=dtype).element_size()
+    vocab = SHAPES[args.shape]["vocab_size"]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    result = {"env": environment(), "shape": args.shape, "dtype": dtype_name, "args": vars(args)}
+    bandwidth = copy_bandwidth(device)
+    result["copy_bandwidth_TBps"] = bandwidth / 1e12
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(args.shape, dtype_name, Path(tmp))
+        if args.hf:
+            result["hf_generate"] = hf_throughput(model_dir, args.throughput_batch, args.prompt_len,
+                                                  args.output_len, vocab, dtype, device)
+            print(f"transformers generate: {result['hf_generate']['output_tokens_per_s']:.0f} tok/s", flush=True)
+        max_len = max(args.context + args.decode_steps + 16, args.prompt_len + args.output_len + 8)
+        llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
+                  max_model_len=max_len, max_num_seqs=max(batch_sizes + [args.throughput_batch]),
+                  max_num_batched_tokens=8192 if device.type == "cuda" else 1024,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  kv_cache_memory_bytes=2**30)
+        result["num_kv_blocks"] = llm.engine.num_blocks
+        weights = weight_bytes(args.shape, element)
+        rows = []
+        for batch in batch_sizes:
+            step_ms = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab, device)
+            floor_ms = (weights + batch * args.context * kv_bytes_per_token(args.shape, element)) / bandwidth * 1e3
+            rows.append({"batch": batch, "context": args.context, "step_ms": step_ms,
+                         "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms})
+            print(f"decode B={batch}: {step_ms:.2f} ms/step (floor {floor_ms:.2f} ms, "
+                  f"{step_ms / floor_ms:.2f}x)", flush=True)
+        result["decode"] = rows
+        result["raypaged"] = throughput(llm, args.throughput_batch, args.prompt_len, args.output_len, vocab)
+        llm.shutdown()
+
+    ours = result["raypaged"]["output_tokens_per_s"]
+    print("\n| what | figure |\n| --- | --- |")
+    print(f"| copy bandwidth | {bandwidth / 1e12:.2f} TB/s |")
+    for row in rows:
+        print(f"| decode step, batch {row['batch']}, context {row['context']} | {row['step_ms']:.2f} ms "
+              f"({row['ratio_to_floor']:.2f}x the {row['floor_ms']:.2f} ms floor) |")
+    print(f"| raypaged, {args.throughput_batch} x ({args.prompt_len} + {args.output_len}) | {ours:.0f} output tok/s |")
+    if "hf_generate" in result:
+        hf = result["hf_generate"]["output_tokens_per_s"]
+        result["speedup_vs_hf"] = ours / hf
+        print(f"| transformers generate, same requests | {hf:.0f} output tok/s ({ours / hf:.1f}x) |")
+    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
+    path = write_json(f"engine_{args.shape}_{device_tag}", result, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

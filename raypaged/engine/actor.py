@@ -1,0 +1,103 @@
+"""The central engine actor: EngineCore stepping in a background thread inside one Ray actor.
+
+Callers add and abort requests at any time (the actor is threaded, so these calls never wait
+for a step), and pull outputs with `get_outputs`: one call per step carries every request's new
+tokens, never one Ray object per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from raypaged.config import EngineConfig
+from raypaged.core.outputs import EngineCoreOutput
+from raypaged.core.request import Request
+from raypaged.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+class EngineActor:
+    """Run as `ray.remote(EngineActor).options(max_concurrency=…)` (see engine/client.py)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.core = EngineCore(config)
+        self._outputs: list[EngineCoreOutput] = []
+        self._have_outputs = threading.Condition()
+        self._have_work = threading.Event()
+        self._stopping = threading.Event()
+        self._loop_error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def model_info(self) -> dict:
+        core = self.core
+        return {
+            "model_dir": core.model_dir,
+            "architecture": core.model_config.architecture,
+            "max_model_len": core.max_model_len,
+            "vocab_size": core.model_config.vocab_size,
+            "block_size": core.config.block_size,
+            "num_blocks": core.num_blocks,
+            "tensor_parallel_size": core.config.tensor_parallel_size,
+            "eos_token_ids": list(core.eos_token_ids),
+        }
+
+    def add_request(self, request: Request) -> None:
+        """Raises InvalidRequestError (or QueueFullError) at once, leaving nothing behind."""
+        self._check_alive()
+        self.core.add_request(request)
+        self._have_work.set()
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+        self._have_work.set()
+
+    def get_outputs(self, timeout_s: float = 1.0) -> list[EngineCoreOutput]:
+        """Everything produced since the last call; waits up to timeout_s for something."""
+        self._check_alive()
+        with self._have_outputs:
+            if not self._outputs:
+                self._have_outputs.wait(timeout_s)
+            outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def stats(self) -> dict:
+        scheduler = self.core.scheduler
+        with self.core._lock:
+            return {"scheduler": scheduler.stats(), "num_running": scheduler.num_running,
+                    "num_waiting": scheduler.num_waiting}
+
+    def worker_pids(self) -> list[int]:
+        pids = getattr(self.core.executor, "worker_pids", None)
+        return pids() if pids else []
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._have_work.set()
+        self._thread.join(timeout=30)
+        self.core.shutdown()
+
+    def _check_alive(self) -> None:
+        if self._loop_error is not None:
+            raise RuntimeError(f"the engine loop died: {self._loop_error}")
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self.core.has_unfinished_requests():
+                    self._have_work.wait(0.05)
+                    self._have_work.clear()
+                    continue
+                outputs = self.core.step()
+                if outputs:
+                    with self._have_outputs:
+                        self._outputs.extend(outputs)
+                        self._have_outputs.notify_all()
+        except Exception as e:  # the engine is unusable; callers get a clear error from now on
+            logger.exception("engine loop died")
+            self._loop_error = f"{type(e).__name__}: {e}"
+            with self._have_outputs:
+                self._have_outputs.notify_all()

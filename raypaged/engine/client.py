@@ -1,0 +1,148 @@
+"""The frontend's handle on the central engine actor (asyncio).
+
+One pump task per client pulls the engine's batched step outputs (one Ray call per step for all
+requests) and fans them out to per-request queues; `generate` is an async iterator over one
+request's outputs (every sample of an n > 1 request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+
+from raypaged.config import EngineConfig
+from raypaged.core.errors import RaypagedError
+from raypaged.core.outputs import EngineCoreOutput
+from raypaged.core.request import Request
+from raypaged.engine.actor import EngineActor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RaypagedError):
+    """The engine actor is gone (or its loop died): nothing can be served until it is back."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    unfinished_samples: int
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The engine's own exception (InvalidRequestError, QueueFullError, …) out of Ray's wrapper."""
+    if isinstance(error, ray.exceptions.RayTaskError):
+        cause = error.as_instanceof_cause()
+        inner = getattr(error, "cause", None)
+        return inner if isinstance(inner, BaseException) else cause
+    return error
+
+
+class AsyncEngineClient:
+    def __init__(self, actor: ray.actor.ActorHandle, model_info: dict) -> None:
+        self.actor = actor
+        self.model_info = model_info
+        self._streams: dict[str, _Stream] = {}
+        self._dead: str | None = None
+        self._pump_task: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> "AsyncEngineClient":
+        """Create the engine actor (it takes a GPU itself only when it runs the model in
+        process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready."""
+        gpus = ray.cluster_resources().get("GPU", 0)
+        in_process_gpu = config.tensor_parallel_size == 1 and config.device != "cpu" and gpus >= 1
+        options = dict(max_concurrency=32, num_cpus=0 if not in_process_gpu else 1,
+                       num_gpus=1 if in_process_gpu else 0)
+        if actor_name:
+            options.update(name=actor_name, get_if_exists=False)
+        actor = ray.remote(EngineActor).options(**options).remote(config)
+        try:
+            info = await actor.model_info.remote()
+        except ray.exceptions.RayError as e:
+            ray.kill(actor, no_restart=True)
+            raise _unwrap(e) from None
+        client = cls(actor, info)
+        client.start_pump()
+        return client
+
+    def start_pump(self) -> None:
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+        """Yields the request's outputs as steps produce them; aborts it in the engine if the
+        caller stops iterating early (a cancelled RPC, a stop string, a deadline)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        group_id = request.group_id
+        if group_id in self._streams:
+            from raypaged.core.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"request id {group_id!r} is already in use")
+        stream = _Stream(asyncio.Queue(), request.sampling_params.n)
+        self._streams[group_id] = stream
+        finished = False
+        try:
+            try:
+                await self.actor.add_request.remote(request)
+            except ray.exceptions.RayActorError as e:
+                raise EngineDeadError(f"the engine is gone: {e}") from None
+            except ray.exceptions.RayTaskError as e:
+                raise _unwrap(e) from None
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.unfinished_samples -= 1
+                    if stream.unfinished_samples <= 0:
+                        finished = True
+                        return
+        finally:
+            self._streams.pop(group_id, None)
+            if not finished and self._dead is None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.actor.abort.remote([group_id]))
+
+    async def abort(self, group_id: str) -> None:
+        await self.actor.abort.remote([group_id])
+
+    async def _pump(self) -> None:
+        while True:
+            try:
+                outputs = await self.actor.get_outputs.remote()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the actor died or its loop did
+                self._fail_all(f"the engine is gone: {_unwrap(e)}")
+                return
+            for out in outputs:
+                stream = self._streams.get(out.group_id)
+                if stream is not None:
+                    stream.queue.put_nowait(out)
+
+    def _fail_all(self, message: str) -> None:
+        logger.error(message)
+        self._dead = message
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(message))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None
+
+    async def shutdown(self) -> None:
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pump_task
+        with contextlib.suppress(Exception):
+            await self.actor.shutdown.remote()
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
