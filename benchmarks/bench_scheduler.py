@@ -5,7 +5,9 @@
     python benchmarks/bench_scheduler.py --profile  # cProfile of the timed steps, top functions
 
 Cases: short and long contexts (per-step cost must not grow with context length), prefix caching
-on and off (on: every 16th step a request's block fills and is hashed and registered).
+on and off (on: a request that fills a block hashes it into the prefix cache; with staggered
+prompts 1/16 of the requests do so every step), the garbage collector on or frozen. The JSON also
+records what building the update's 512 EngineCoreOutput objects alone costs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from raypaged.core.request import Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
@@ -45,8 +47,10 @@ def fake_runner_output(scheduler: Scheduler, scheduler_output: SchedulerOutput,
 
 def build(num_requests: int, prompt_len: int, max_tokens: int, prefix_caching: bool,
           rng: random.Random) -> Scheduler:
-    """A scheduler whose num_requests requests have all finished their prefill."""
-    max_model_len = prompt_len + max_tokens + 1
+    """A scheduler whose num_requests requests have all finished their prefill. Prompt lengths
+    are staggered over a block so that every step 1/BLOCK_SIZE of the requests fill a block (as in
+    steady-state serving), instead of all of them every BLOCK_SIZE-th step."""
+    max_model_len = prompt_len + BLOCK_SIZE + max_tokens + 1
     blocks_per_request = -(-max_model_len // BLOCK_SIZE)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_requests * blocks_per_request + 16, block_size=BLOCK_SIZE,
@@ -54,7 +58,7 @@ def build(num_requests: int, prompt_len: int, max_tokens: int, prefix_caching: b
         enable_prefix_caching=prefix_caching))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_requests):
-        prompt = [rng.randrange(1, 32000) for _ in range(prompt_len)]
+        prompt = [rng.randrange(1, 32000) for _ in range(prompt_len + i % BLOCK_SIZE)]
         scheduler.add_request(Request(f"req-{i}", prompt, params, eos_token_id=0))
     while scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         out = scheduler.schedule()
@@ -62,43 +66,64 @@ def build(num_requests: int, prompt_len: int, max_tokens: int, prefix_caching: b
     return scheduler
 
 
+def summary(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"mean": statistics.fmean(xs), "p50": xs[len(xs) // 2], "p90": xs[int(len(xs) * 0.9)],
+            "min": xs[0]}
+
+
 def measure(num_requests: int, prompt_len: int, num_steps: int, prefix_caching: bool,
-            profile: cProfile.Profile | None = None) -> dict:
+            gc_freeze: bool = False, profile: cProfile.Profile | None = None) -> dict:
+    """Per step: wall time, and this thread's CPU time (what the step costs when other
+    processes share the cores, as on a busy 2-core machine)."""
     rng = random.Random(0)
     # Requests that finish prefill early decode while the rest prefill: leave them room.
-    max_tokens = num_steps + num_requests * prompt_len // 8192 + 16
+    max_tokens = num_steps + 2 * num_requests * prompt_len // 8192 + 16
     scheduler = build(num_requests, prompt_len, max_tokens, prefix_caching, rng)
-    schedule_us, update_us = [], []
+    times: dict[str, list[float]] = {k: [] for k in ("schedule", "update", "step", "step_cpu")}
     gc.collect()
+    if gc_freeze:
+        # What a long-running engine does after start-up (vLLM does too): the requests' long
+        # token lists then stay out of the collector's full passes.
+        gc.freeze()
     for _ in range(num_steps):
         if profile is not None:
             profile.enable()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         out = scheduler.schedule()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         if profile is not None:
             profile.disable()
         runner_output = fake_runner_output(scheduler, out, rng)
         if profile is not None:
             profile.enable()
-        t2 = time.perf_counter()
+        c2, t2 = time.thread_time_ns(), time.perf_counter_ns()
         outputs = scheduler.update_from_output(out, runner_output)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter_ns(), time.thread_time_ns()
         if profile is not None:
             profile.disable()
         assert len(out.scheduled_cached_reqs.req_ids) == num_requests and len(outputs) == num_requests
-        schedule_us.append((t1 - t0) * 1e6)
-        update_us.append((t3 - t2) * 1e6)
-    total = [a + b for a, b in zip(schedule_us, update_us)]
-
-    def summary(xs: list[float]) -> dict:
-        xs = sorted(xs)
-        return {"mean": statistics.fmean(xs), "p50": xs[len(xs) // 2], "p90": xs[int(len(xs) * 0.9)],
-                "min": xs[0]}
-
+        times["schedule"].append((t1 - t0) / 1e3)
+        times["update"].append((t3 - t2) / 1e3)
+        times["step"].append((t1 - t0 + t3 - t2) / 1e3)
+        times["step_cpu"].append((c1 - c0 + c3 - c2) / 1e3)
+    if gc_freeze:
+        gc.unfreeze()
     return {"num_requests": num_requests, "prompt_len": prompt_len, "num_steps": num_steps,
-            "prefix_caching": prefix_caching, "schedule_us": summary(schedule_us),
-            "update_us": summary(update_us), "step_us": summary(total)}
+            "prefix_caching": prefix_caching, "gc_freeze": gc_freeze,
+            **{f"{k}_us": summary(v) for k, v in times.items()}}
+
+
+def engine_core_output_cost(num_requests: int, repeats: int = 200) -> dict:
+    """Microseconds to build num_requests EngineCoreOutput records, as update_from_output does:
+    the part of the step that the one-record-per-request output interface itself costs."""
+    ids = [f"req-{i}" for i in range(num_requests)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        [EngineCoreOutput(rid, rid, 0, [7], None, None, None, 128, 0) for rid in ids]
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return summary(times)
 
 
 def environment() -> dict:
@@ -127,20 +152,28 @@ def main() -> int:
 
     if args.profile:
         profile = cProfile.Profile()
-        measure(args.requests, 128, args.steps, True, profile)
+        measure(args.requests, 128, args.steps, True, profile=profile)
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
         return 0
 
-    cases = [(128, True), (128, False), (2048, True)]
-    results = [measure(args.requests, prompt_len, args.steps, caching) for prompt_len, caching in cases]
-    header = f"{'requests':>8} {'context':>8} {'prefix$':>7} {'schedule us':>12} {'update us':>10} {'step us':>9} {'p50':>7} {'p90':>7}"
-    print(header)
+    cases = [(128, True, False), (128, False, False), (2048, True, False), (128, True, True),
+             (2048, True, True)]
+    results = [measure(args.requests, prompt_len, args.steps, caching, freeze)
+               for prompt_len, caching, freeze in cases]
+    print(f"{'requests':>8} {'context':>8} {'prefix$':>7} {'gc':>6} | wall us: {'schedule':>8} "
+          f"{'update':>7} {'step':>6} {'p50':>6} {'min':>6} | step CPU us: {'mean':>6} {'p50':>6}")
     for r in results:
         print(f"{r['num_requests']:>8} {r['prompt_len']:>8} {str(r['prefix_caching']):>7} "
-              f"{r['schedule_us']['mean']:>12.0f} {r['update_us']['mean']:>10.0f} "
-              f"{r['step_us']['mean']:>9.0f} {r['step_us']['p50']:>7.0f} {r['step_us']['p90']:>7.0f}")
+              f"{'frozen' if r['gc_freeze'] else 'on':>6} |          {r['schedule_us']['mean']:>8.0f} "
+              f"{r['update_us']['mean']:>7.0f} {r['step_us']['mean']:>6.0f} {r['step_us']['p50']:>6.0f} "
+              f"{r['step_us']['min']:>6.0f} |              {r['step_cpu_us']['mean']:>6.0f} "
+              f"{r['step_cpu_us']['p50']:>6.0f}")
+    outputs_cost = engine_core_output_cost(args.requests)
+    print(f"of which building {args.requests} EngineCoreOutput records: "
+          f"{outputs_cost['p50']:.0f} us (p50), {outputs_cost['min']:.0f} us (min)")
     report = {"benchmark": "scheduler schedule()+update_from_output() per decode step",
-              "target_us": 500, "environment": environment(), "results": results}
+              "target_us": 500, "environment": environment(), "results": results,
+              "engine_core_outputs_us": outputs_cost}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

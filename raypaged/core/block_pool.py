@@ -132,9 +132,8 @@ class BlockPool:
         once): the first one stays the cached copy and this block frees as uncached."""
         if not self.enable_caching:
             return False
-        self._check_ids((block_id,))
-        if self.ref_cnt[block_id] == 0:
-            raise ValueError(f"block {block_id} is free: only a held block can be cached")
+        if not (type(block_id) is int and 0 <= block_id < self.num_blocks) or self.ref_cnt[block_id] == 0:
+            raise ValueError(f"block {block_id!r} is not a held block: only those can be cached")
         current = self.block_hash[block_id]
         if current is not None:
             if current == block_hash:

@@ -212,30 +212,31 @@ class KVCacheManager:
         block_size = self.block_size
         table = state.block_ids
         num_computed = request.num_computed_tokens
-        if not 0 <= num_computed <= len(table) * block_size \
-                or num_computed + num_new_tokens > len(request.all_token_ids):
+        total = num_computed + num_new_tokens
+        if num_computed > len(table) * block_size or total > len(request.all_token_ids):
             raise ValueError(f"request {request.request_id!r}: {num_computed} computed + "
                              f"{num_new_tokens} new tokens do not match its {len(table)} blocks and "
                              f"{len(request.all_token_ids)} tokens")
         write_index = num_computed // block_size
         copy_on_write = (state.shared_tail and num_new_tokens > 0 and num_computed % block_size != 0
                          and self._ref_cnt[table[write_index]] > 1)
-        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, block_size) - len(table))
-        if num_new_blocks + copy_on_write > self.block_pool.num_free_blocks:
+        num_new_blocks = max(0, -(-total // block_size) - len(table))
+        pool = self.block_pool
+        if num_new_blocks + copy_on_write > pool.num_free_blocks:
             return None
-        if self.enable_prefix_caching and num_computed // block_size > state.num_cached_blocks:
-            self._register_full_blocks(state, num_computed // block_size)
+        if write_index > state.num_cached_blocks and self.enable_prefix_caching:
+            self._register_full_blocks(state, write_index)  # in case nobody called cache_blocks
         if copy_on_write:
             shared = table[write_index]
-            private = self.block_pool.get_new_blocks(1)[0]
+            private = pool.get_new_blocks(1)[0]
             table[write_index] = private
-            self.block_pool.free_blocks((shared,))  # others still hold it: it stays allocated
+            pool.free_blocks((shared,))  # others still hold it: it stays allocated
             self._num_saved_slots -= num_computed % block_size
             self._copies.append((shared, private))
             self.rewritten_req_ids.add(request.request_id)
         if num_new_tokens:
             state.shared_tail = False  # it writes into a block of its own from now on
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks)
         table.extend(new_blocks)
         return new_blocks
 

@@ -18,6 +18,7 @@ one as a CachedRequestData entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 
 from raypaged.core.errors import InvalidRequestError, NoFreeBlocksError, QueueFullError, UnknownRequestError
 from raypaged.core.kv_cache_manager import KVCacheManager, KVCacheStats
@@ -291,7 +292,7 @@ class Scheduler:
         block_size = self.config.block_size
         max_model_len = self.config.max_model_len
         finished = False
-        for index, request_id in enumerate(req_ids):
+        for request_id, sampled, new_logprobs in zip(req_ids, sampled_token_ids, logprobs or repeat(None)):
             request = requests.get(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # aborted while the step ran
@@ -300,19 +301,19 @@ class Scheduler:
             request.num_computed_tokens = computed
             if computed % block_size < num_new and cache_blocks is not None:
                 cache_blocks(request, computed)  # the step filled a block: into the prefix cache
-            sampled = sampled_token_ids[index]
             tokens = request.all_token_ids
             if computed != len(tokens):
                 if sampled:
                     raise ValueError(f"request {request_id!r} sampled a token mid-prompt")
                 continue
             params = request.sampling_params
-            new_logprobs = logprobs[index] if logprobs else None
-            if params.n > 1 and not request.output_token_ids:
-                self._fork(request, sampled, new_logprobs, outputs)
-                new_logprobs = new_logprobs[:1] if new_logprobs else new_logprobs
-            elif len(sampled) != 1:
-                raise ValueError(f"request {request_id!r}: expected one sampled token, got {len(sampled)}")
+            if len(sampled) != 1 or params.n > 1:
+                if params.n > 1 and not request.output_token_ids:
+                    self._fork(request, sampled, new_logprobs, outputs)
+                    new_logprobs = new_logprobs[:1] if new_logprobs else new_logprobs
+                elif len(sampled) != 1:
+                    raise ValueError(f"request {request_id!r}: expected one sampled token, "
+                                     f"got {len(sampled)}")
             token = sampled[0]
             outputs_so_far = request.output_token_ids
             outputs_so_far.append(token)
