@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import repeat
 
-from raypaged.core.errors import InvalidRequestError, NoFreeBlocksError, QueueFullError, UnknownRequestError
+from raypaged.core.admission import check_new_request
+from raypaged.core.errors import NoFreeBlocksError, UnknownRequestError
+from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from raypaged.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
@@ -44,7 +46,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | None = None) -> None:
+    def __init__(self, config: SchedulerConfig,
+                 kv_cache_manager: KVCacheManagerInterface | None = None) -> None:
         self.config = config
         if kv_cache_manager is None:
             kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
@@ -76,49 +79,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. InvalidRequestError (QueueFullError when the waiting queue is at its
         bound) leaves the scheduler unchanged."""
-        self._validate(request)
+        check_new_request(request, self.config, self.kv_cache_manager, self.requests, self._groups,
+                          len(self.waiting))
         request_id = request.request_id
         self.requests[request_id] = request
         self._groups.setdefault(request.group_id, set()).add(request_id)
         self.waiting.add(request)
-
-    def _validate(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise InvalidRequestError(f"expected a Request, got {type(request).__name__}")
-        request_id, group_id = request.request_id, request.group_id
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests or request_id in self._groups or group_id in self._groups:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        # Samples of an n > 1 group get ids f"{group_id}#{i}": keep those free both ways.
-        owner, sep, index = request_id.rpartition("#")
-        if sep and owner in self._groups:
-            raise InvalidRequestError(f"request id {request_id!r} is reserved for a sample of "
-                                      f"request {owner!r}")
-        params = request.sampling_params
-        for i in range(1, params.n):
-            if f"{group_id}#{i}" in self.requests:
-                raise InvalidRequestError(f"sample id {group_id}#{i} of request {request_id!r} "
-                                          "is already in use")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
-            raise InvalidRequestError(f"request {request_id!r} is not new (status {request.status.name})")
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
-        if not all(type(t) is int and t >= 0 for t in prompt):
-            raise InvalidRequestError(f"request {request_id!r}: prompt token ids must be "
-                                      "non-negative integers")
-        if len(prompt) >= self.config.max_model_len:
-            raise InvalidRequestError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no "
-                                      f"room to generate within max_model_len={self.config.max_model_len}")
-        if not self.kv_cache_manager.can_fit(len(prompt)):
-            raise InvalidRequestError(f"request {request_id!r}: prompt of {len(prompt)} tokens is larger "
-                                      f"than the whole KV cache")
-        if type(request.priority) is not int:
-            raise InvalidRequestError(f"priority must be an integer, got {request.priority!r}")
-        bound = self.config.max_waiting_requests
-        if bound is not None and len(self.waiting) >= bound:
-            raise QueueFullError(f"the waiting queue is full ({bound} requests)")
 
     def abort_requests(self, group_or_request_ids: str | list[str]) -> list[EngineCoreOutput]:
         """Abort requests in any state. A group id aborts every sample of the group; a sample id
