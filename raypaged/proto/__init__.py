@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the raypaged API (sources in protos/; scripts/gen_protos.sh)."""
