@@ -117,9 +117,10 @@ class ShadowWorker:
             result.req_ids.append(req_id)
             result.sampled_token_ids.append(sampled)
             result.logprobs.append([{t: -1.0} for t in sampled] if sampled else None)
-        # Runners may answer in any order.
+        # Runners may answer in any order (the scheduler has a fast path for its own order).
         perm = list(range(len(result.req_ids)))
-        self.rng.shuffle(perm)
+        if self.rng.random() < 0.5:
+            self.rng.shuffle(perm)
         result.req_ids = [result.req_ids[i] for i in perm]
         result.sampled_token_ids = [result.sampled_token_ids[i] for i in perm]
         result.logprobs = [result.logprobs[i] for i in perm]

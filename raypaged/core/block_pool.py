@@ -37,6 +37,11 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
     extra_keys: tuple | None
 
+    def __hash__(self) -> int:
+        # The chained hash already mixes everything: re-hashing the token tuple on every dict
+        # operation would cost more than the rest of a lookup. Equality still compares it all.
+        return self.hash_value
+
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...],
                       extra_keys: tuple | None = None) -> BlockHash:
@@ -139,9 +144,8 @@ class BlockPool:
             if current == block_hash:
                 return True
             raise ValueError(f"block {block_id} is already cached under other contents")
-        if block_hash in self._cached:
-            return False
-        self._cached[block_hash] = block_id
+        if self._cached.setdefault(block_hash, block_id) != block_id:
+            return False  # another block caches these contents already
         self.block_hash[block_id] = block_hash
         return True
 

@@ -73,6 +73,8 @@ class Scheduler:
         # a step fits, the scheduler need not ask the manager. -1 forces the next step through
         # allocate_slots (after a fork: copy-on-write, or a copying manager's new table).
         self._num_slots: dict[str, int] = {}
+        self._last_output: SchedulerOutput | None = None  # and the requests it scheduled, in order:
+        self._scheduled: list[Request] = []
         self.num_preemptions = 0
 
     # ---- requests in and out ---------------------------------------------------------------------
@@ -135,6 +137,8 @@ class Scheduler:
         out = SchedulerOutput()
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         num_scheduled = out.num_scheduled_tokens
+        # The scheduled requests in num_scheduled's order: update_from_output walks them directly.
+        scheduled = self._scheduled = []
         cached = out.scheduled_cached_reqs
         cached_ids, cached_tokens = cached.req_ids, cached.new_token_ids
         cached_blocks, cached_computed = cached.new_block_ids, cached.num_computed_tokens
@@ -163,6 +167,7 @@ class Scheduler:
                 # The common decode step: its table has room, so the manager would hand out
                 # nothing; and the workers hold it (anything else forces the slow path).
                 num_scheduled[request_id] = num_new
+                scheduled.append(request)
                 budget -= num_new
                 cached_ids.append(request_id)
                 cached_tokens.append(tokens[computed:computed + num_new])
@@ -191,6 +196,7 @@ class Scheduler:
             else:
                 num_slots[request_id] += len(new_blocks) * block_size
             num_scheduled[request_id] = num_new
+            scheduled.append(request)
             budget -= num_new
             if request_id in on_workers and not (rewritten and request_id in rewritten):
                 cached_ids.append(request_id)
@@ -234,11 +240,13 @@ class Scheduler:
             running.append(request)
             num_slots[request.request_id] = len(new_blocks) * block_size
             num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
             budget -= num_new
             self._send_new(request, new_blocks, out)
 
         out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
         out.block_copies = kv.take_block_copies()
+        self._last_output = out
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -250,19 +258,24 @@ class Scheduler:
         req_ids = model_runner_output.req_ids
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
-        if (len(sampled_token_ids) != len(req_ids) or (logprobs and len(logprobs) != len(req_ids))
-                or len(req_ids) != len(num_scheduled) or num_scheduled.keys() != set(req_ids)):
+        if len(sampled_token_ids) != len(req_ids) or (logprobs and len(logprobs) != len(req_ids)):
+            raise ValueError("the model runner's output lists differ in length")
+        if scheduler_output is self._last_output and req_ids == list(num_scheduled):
+            in_order, nums = self._scheduled, num_scheduled.values()  # the usual case: as scheduled
+        elif len(req_ids) == len(num_scheduled) and num_scheduled.keys() == set(req_ids):
+            in_order = [self.requests.get(request_id) for request_id in req_ids]
+            nums = [num_scheduled[request_id] for request_id in req_ids]
+        else:
             raise ValueError("the model runner's output does not answer the scheduled requests")
-        requests = self.requests
+        self._last_output = None
         cache_blocks = self._cache_blocks
         block_size = self.config.block_size
         max_model_len = self.config.max_model_len
         finished = False
-        for request_id, sampled, new_logprobs in zip(req_ids, sampled_token_ids, logprobs or repeat(None)):
-            request = requests.get(request_id)
+        for request, request_id, num_new, sampled, new_logprobs in zip(
+                in_order, req_ids, nums, sampled_token_ids, logprobs or repeat(None)):
             if request is None or request.status is not _RUNNING:
                 continue  # aborted while the step ran
-            num_new = num_scheduled[request_id]
             computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = computed
             if computed % block_size < num_new and cache_blocks is not None:
@@ -341,6 +354,7 @@ class Scheduler:
         request_id = request.request_id
         refund = out.num_scheduled_tokens.pop(request_id, 0)
         if refund:
+            self._scheduled.remove(request)
             self._unschedule(request_id, out)
         self.kv_cache_manager.free(request)
         del self._num_slots[request_id]
