@@ -8,12 +8,21 @@ from typing import Sequence, Union
 from tqdm import tqdm
 
 from raypaged.config import EngineConfig
-from raypaged.core.errors import InvalidRequestError
+from raypaged.core.errors import InvalidRequestError, RaypagedError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.engine.core import EngineCore
 from raypaged.outputs import CompletionOutput, RequestOutput
+
+class RequestsFailedError(RaypagedError):
+    """The engine failed some requests (e.g. a model worker died); `outputs` holds everything
+    generated, the failed samples marked with their error."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
 
 # A prompt is text, or token ids as {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
 Prompt = Union[str, dict]
@@ -70,7 +79,11 @@ class LLM:
                 unfinished.discard(request_id)
                 progress.update(1)
         progress.close()
-        return list(results.values())
+        outputs = list(results.values())
+        failed = [o for r in outputs for o in r.outputs if o.error]
+        if failed:
+            raise RequestsFailedError(f"{len(failed)} of the samples failed: {failed[0].error}", outputs)
+        return outputs
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -92,6 +105,7 @@ class LLM:
         if out.finished:
             sample.finish_reason = out.finish_reason.value
             sample.stop_reason = out.stop_reason
+            sample.error = out.error
         # Text only where it is needed: at the end, or every step while stop strings are watched.
         if self.tokenizer is not None and (out.finished or params.stop):
             sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)

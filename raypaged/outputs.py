@@ -15,6 +15,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[Logprobs] | None = None
+    error: str | None = None  # why the engine failed it (finish_reason is then "abort")
 
     @property
     def finished(self) -> bool:

@@ -152,6 +152,16 @@ class RayExecutor:
             raise WorkerGroupError(f"a tensor-parallel worker failed: {e}") from e
         return results[0]
 
+    @staticmethod
+    def _wait_until_dead(actors: list[Any], timeout_s: float = 30.0) -> None:
+        """ray.kill returns at once; a new group must not be wired up (compiled-graph channels
+        registered) while the old actors are still going down."""
+        for actor in actors:
+            try:
+                ray.get(actor.pid.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
 
@@ -164,6 +174,7 @@ class RayExecutor:
             self.compiled_dag = None
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
+        self._wait_until_dead(self.workers)
         self.workers = []
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)

@@ -110,21 +110,23 @@ class Worker:
                                device=self.device),) * 2 for _ in range(mc.num_hidden_layers)]
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         per_seq = num_tokens // num_seqs
+        width = -(-per_seq // self.config.block_size)
         dev = self.device
+        # Every logical block maps to the pool's one block: the kernels read real memory, and
+        # nothing is written (slot -1).
         metadata = AttentionMetadata(
             slot_mapping=torch.full((per_seq * num_seqs,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.full((num_seqs,), min(per_seq, self.config.block_size), dtype=torch.int32,
-                                device=dev),
+            block_tables=torch.zeros(num_seqs, width, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((num_seqs,), per_seq, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=dev) * per_seq,
             num_decodes=num_seqs if per_seq == 1 else 0,
             num_decode_tokens=num_seqs if per_seq == 1 else 0,
             max_query_len=per_seq,
-            max_seq_len=min(per_seq, self.config.block_size),
+            max_seq_len=per_seq,
         )
         with torch.inference_mode():
             ids = torch.zeros(per_seq * num_seqs, dtype=torch.int64, device=dev)
-            positions = torch.arange(per_seq, device=dev).repeat(num_seqs) % self.config.block_size
+            positions = torch.arange(per_seq, device=dev).repeat(num_seqs)
             hidden = self.model(ids, positions, caches, metadata)
             rows = torch.arange(num_seqs, device=dev) * per_seq + per_seq - 1
             logits = self.model.compute_logits(hidden[rows])

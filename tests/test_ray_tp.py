@@ -1,0 +1,116 @@
+"""Tensor parallelism over Ray actors (gloo on CPU): outputs token-identical to TP=1 and to
+transformers, paged features under TP, abort, clean shutdown, a killed worker surfacing as an
+error (not a hang) and the group restarting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from checkpoints import checkpoint_dir
+from hf_oracle import hf_greedy, random_prompts
+from raypaged import LLM, SamplingParams
+from raypaged.llm import RequestsFailedError
+from test_engine_generate import assert_matches_hf, vocab_of
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def live_actors() -> list[str]:
+    from ray._private import state
+
+    return [a["ActorClassName"] for a in state.actors().values() if a["State"] != "DEAD"]
+
+
+def live_placement_groups() -> list[str]:
+    return [pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"]
+
+
+def generate(name: str, prompts, tp: int, params=GREEDY, **kwargs):
+    llm = LLM(str(checkpoint_dir(name)), tensor_parallel_size=tp, **kwargs)
+    try:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
+
+
+# llama: 4 query / 2 KV heads (TP=4 replicates KV heads); llama3-rope: one KV head (replicated
+# at TP=2); qwen2: qkv biases.
+@pytest.mark.parametrize("name,tp", [("llama", 2), ("llama", 4), ("llama3-rope", 2), ("qwen2", 2)])
+def test_tp_greedy_equals_tp1_and_transformers(name, tp):
+    prompts = random_prompts([3, 18, 33], vocab_of(name), seed=11)
+    tp1 = generate(name, prompts, 1)
+    tpn = generate(name, prompts, tp)
+    assert [r.outputs[0].token_ids for r in tpn] == [r.outputs[0].token_ids for r in tp1]
+    assert_matches_hf(name, prompts, tpn, max_tokens=8)
+
+
+def test_prefix_caching_chunked_prefill_and_preemption_under_tp2():
+    vocab = vocab_of("llama")
+    prefix = random_prompts([24], vocab, seed=12)[0]
+    prompts = random_prompts([9, 20, 14, 3], vocab, seed=13, prefix=prefix)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8,
+              max_num_batched_tokens=16, num_gpu_blocks_override=16)
+    try:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0
+    assert stats.kv_cache.prefix_cache_hits > 0
+    assert_matches_hf("llama", prompts, results, max_tokens=20)
+
+
+def test_abort_frees_blocks_and_shutdown_leaves_nothing_behind():
+    from raypaged.core.request import Request
+
+    llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts([30, 12], vocab_of("llama"), seed=14)):
+        engine.add_request(Request(f"r{i}", prompt, params))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks < engine.num_blocks
+    engine.abort_requests(["r0", "r1"])
+    engine.step()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert not engine.has_unfinished_requests()
+    assert "RayWorkerActor" in live_actors()
+    llm.shutdown()
+    assert "RayWorkerActor" not in live_actors()
+    assert live_placement_groups() == []
+
+
+def test_killed_worker_is_an_error_not_a_hang_and_the_group_restarts():
+    name = "llama"
+    prompts = random_prompts([6, 21], vocab_of(name), seed=15)
+    llm = LLM(str(checkpoint_dir(name)), tensor_parallel_size=2)
+    try:
+        old_pids = llm.engine.executor.worker_pids()
+        os.kill(old_pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RequestsFailedError, match="worker") as failure:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert time.monotonic() - start < 60
+        assert all(o.finish_reason == "abort" for r in failure.value.outputs for o in r.outputs)
+        assert llm.engine.scheduler.kv_cache_manager.num_free_blocks == llm.engine.num_blocks
+        # A fresh group serves the same requests correctly.
+        assert set(llm.engine.executor.worker_pids()).isdisjoint(old_pids)
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert_matches_hf(name, prompts, results, max_tokens=8)
+    finally:
+        llm.shutdown()
+    assert "RayWorkerActor" not in live_actors()
