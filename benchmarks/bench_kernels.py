@@ -244,12 +244,14 @@ def bench_prefill(tokens: int, tune: bool) -> dict:
     row["vs_sdpa"] = row["sdpa_s"] / row["triton_s"]
     if tune:
         row["sweep"] = []
-        for block_m, block_n, num_warps, num_stages in [
-            (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3),
-            (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 4), (64, 64, 4, 4),
-            (128, 32, 8, 4), (256, 64, 8, 2), (64, 32, 4, 4), (128, 128, 4, 2),
+        for block_m, block_n, num_warps, num_stages, pack_gqa in [
+            (128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 4, 4, False),
+            (128, 32, 4, 4, False), (128, 64, 4, 2, False), (64, 128, 4, 3, False),
+            (128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 64, 4, 3, True),
+            (64, 64, 4, 3, True), (128, 32, 4, 4, True), (256, 64, 8, 2, True),
         ]:
-            config = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+            config = dict(block_m=block_m, block_n=block_n, num_warps=num_warps,
+                          num_stages=num_stages, pack_gqa=pack_gqa)
             try:
                 check_against_reference(paged_prefill_triton(q, *args, **config),
                                         lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), DTYPE)
@@ -324,6 +326,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", default="", help="sweep launch configs of: decode,prefill")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--sections", default="decode,prefill,head_major",
+                        help="which measurements to run (all by default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("needs a CUDA device")
@@ -342,6 +346,7 @@ def main() -> int:
     result["decode"], result["prefill"], result["errors"] = [], [], []
     sections = [("decode", (b, ctx)) for b, ctx in DECODE_CASES]
     sections += [("prefill", tokens) for tokens in PREFILL_TOKENS] + [("head_major", None)]
+    sections = [(kind, point) for kind, point in sections if kind in args.sections.split(",")]
     for kind, point in sections:
         try:
             if kind == "decode":

@@ -111,51 +111,58 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):
+    # A program owns BLOCK_M rows = TILE_TOKENS new tokens x HEADS_PER_PROGRAM query heads of
+    # one KV head (row r: token r // HEADS_PER_PROGRAM, head r % HEADS_PER_PROGRAM), so with
+    # HEADS_PER_PROGRAM = GROUP each K/V tile is loaded once for the whole GQA group.
+    TILE_TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_PROGRAM
     # Heads vary fastest and tiles run latest-first: under causality the latest tiles stream
     # the most keys, so the heaviest work starts first and the tail is short.
-    head = tl.program_id(0)
+    first_head = tl.program_id(0) * HEADS_PER_PROGRAM
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
 
-    # Largest s with query_start_loc[s] // BLOCK_M + s <= tile.
+    # Largest s with query_start_loc[s] // TILE_TOKENS + s <= tile.
     lo = tl.full([], 0, tl.int32)
     hi = tl.full([], 0, tl.int32) + num_seqs
     while lo + 1 < hi:
         mid = (lo + hi) // 2
-        mid_first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        mid_first_tile = tl.load(query_start_loc_ptr + mid) // TILE_TOKENS + mid
         lo = tl.where(mid_first_tile <= tile, mid, lo)
         hi = tl.where(mid_first_tile <= tile, hi, mid)
     seq = lo
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    m_start = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    m_start = (tile - (q_start // TILE_TOKENS + seq)) * TILE_TOKENS
     if m_start >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
 
-    rows = m_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
+    rows = tl.arange(0, BLOCK_M)
+    local_tokens = m_start + rows // HEADS_PER_PROGRAM
+    heads = first_head + rows % HEADS_PER_PROGRAM
+    row_ok = local_tokens < q_len
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    tokens = (q_start + rows).to(tl.int64)
+    tokens = (q_start + local_tokens).to(tl.int64)
     q_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(
-        q_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + dims[None, :],
+        q_ptr + (tokens * stride_q_tok + heads * stride_q_head)[:, None] + dims[None, :],
         mask=q_mask,
         other=0.0,
     )
-    query_pos = prefix_len + rows
+    query_pos = prefix_len + local_tokens
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    head_offset = (head // GROUP).to(tl.int64) * stride_cache_head
+    head_offset = (first_head // GROUP).to(tl.int64) * stride_cache_head
     # Every key before the tile's first query is visible to all its rows.
     unmasked_end = ((prefix_len + m_start) // BLOCK_N) * BLOCK_N
-    kv_end = prefix_len + tl.minimum(m_start + BLOCK_M, q_len)
+    kv_end = prefix_len + tl.minimum(m_start + TILE_TOKENS, q_len)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         0, unmasked_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
@@ -169,7 +176,7 @@ def _prefill_kernel(
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + tokens[:, None] * stride_out_tok + head * stride_out_head + dims[None, :],
+        out_ptr + (tokens * stride_out_tok + heads * stride_out_head)[:, None] + dims[None, :],
         result.to(out_ptr.dtype.element_ty),
         mask=q_mask,
     )
@@ -181,10 +188,10 @@ def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.devic
     The CPU interpreter pays per program and per loop step, not per element: big tiles there.
     """
     if device.type != "cuda":
-        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1}
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1, "pack_gqa": False}
     if dtype == torch.float32:
-        return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
-    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+        return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2, "pack_gqa": False}
+    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "pack_gqa": False}
 
 
 def paged_prefill_triton(
@@ -201,10 +208,12 @@ def paged_prefill_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pack_gqa: bool | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention, q [T, Hq, D] -> [T, Hq, D]. No host synchronisation.
 
-    block_m / block_n / num_warps / num_stages override the tuned defaults (benchmarks, tests).
+    block_m / block_n / num_warps / num_stages / pack_gqa (one program per GQA group rather
+    than per query head) override the tuned defaults (benchmarks, tests).
     """
     check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -216,7 +225,10 @@ def paged_prefill_triton(
     config = default_launch_config(head_dim, q.dtype, q.device)
     block_m = block_m or config["block_m"]
     block_n = block_n or config["block_n"]
-    grid = (num_q_heads, num_tokens // block_m + num_seqs)
+    group = num_q_heads // num_kv_heads
+    pack_gqa = config["pack_gqa"] if pack_gqa is None else pack_gqa
+    heads_per_program = group if pack_gqa and block_m % group == 0 else 1
+    grid = (num_q_heads // heads_per_program, num_tokens // (block_m // heads_per_program) + num_seqs)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -235,12 +247,13 @@ def paged_prefill_triton(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        GROUP=num_q_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        HEADS_PER_PROGRAM=heads_per_program,
         DOT_MODE=dot_mode(q),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What runs on the GPU machine (the `run` tool), from the repository root:
-#   RAYPAGED_COMMIT=<sha> bash scripts/gpu_kernels.sh [--tune]
+#   RAYPAGED_COMMIT=<sha> [GPU_TEST_FILTER=<pytest -k expr>] bash scripts/gpu_kernels.sh [bench args]
 # 1. installs the package (editable, no downloads), 2. runs the GPU-marked kernel tests in bf16
 # with the real compiler (not the interpreter), 3. runs benchmarks/bench_kernels.py.
 # Logs, JSON and PNG go to $OUT (or benchmarks/results when $OUT is unset).
@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log
 
 # A test failure is reported but does not stop the timings.
 timeout 240 python3 -m pytest tests/test_kernels_triton.py -m gpu -q -p no:cacheprovider \
-    -p no:warnings 2>&1 | tee "$OUT_DIR/kernels_gpu_tests.log" | tail -25
+    -p no:warnings ${GPU_TEST_FILTER:+-k "$GPU_TEST_FILTER"} 2>&1 | tee "$OUT_DIR/kernels_gpu_tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 
 python3 benchmarks/bench_kernels.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/kernels_bench.log" \

@@ -130,13 +130,13 @@ def test_split_heuristic_fills_the_card_and_respects_lengths():
 # ---------------------------------------------------------------- prefill
 
 
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_fp32_fresh_chunked_and_prefix_hit(group):
+@pytest.mark.parametrize("group, pack_gqa", [(1, False), (4, False), (8, False), (4, True), (8, True)])
+def test_prefill_fp32_fresh_chunked_and_prefix_hit(group, pack_gqa):
     # Request 0: fresh prefill. 1: a chunk after a cached prefix. 2: one token (decode-like).
     # 3: nothing new this step. 4: long prefix hit, 100 new tokens.
     seq_lens = [17, 100, 40, 9, 513]
     query_lens = [17, 37, 1, 0, 100]
-    check_prefill(seq_lens, query_lens, group, seed=group)
+    check_prefill(seq_lens, query_lens, group, seed=group, pack_gqa=pack_gqa)
 
 
 @pytest.mark.parametrize("block_m, block_n, block_size", [(16, 16, 32), (16, 32, 8), (32, 16, 16)])
@@ -296,8 +296,10 @@ def test_gpu_decode_bf16(group, block_size):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_prefill_bf16(group, head_dim):
-    check_prefill([1, 17, 513, 2100, 900], [1, 17, 300, 2100, 1], group, num_kv_heads=4,
-                  head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=group)
+    for pack_gqa in (False, True):
+        check_prefill([1, 17, 513, 2100, 900], [1, 17, 300, 2100, 1], group, num_kv_heads=4,
+                      head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=group,
+                      pack_gqa=pack_gqa)
 
 
 @pytest.mark.gpu
