@@ -297,15 +297,11 @@ class Scheduler:
             outputs_so_far = request.output_token_ids
             outputs_so_far.append(token)
             tokens.append(token)
-            # Inline copy of _check_stop (this loop runs for every request every step).
+            # _check_stop, unrolled: this loop runs for every request every step.
             reason = stop_reason = None
-            num_output = len(outputs_so_far)
-            if num_output >= params.min_tokens:
-                if token == request.eos_token_id and not params.ignore_eos:
-                    reason = _STOP
-                elif token in params.stop_token_ids:
-                    reason, stop_reason = _STOP, token
-            if reason is None and (num_output >= params.max_tokens or len(tokens) >= max_model_len):
+            if token == request.eos_token_id or token in params.stop_token_ids:
+                reason, stop_reason = self._stop_on_token(request, token)
+            if reason is None and (len(outputs_so_far) >= params.max_tokens or len(tokens) >= max_model_len):
                 reason = _LENGTH
             if reason is not None:
                 self._finish(request, reason, stop_reason, self._finished_req_ids)
@@ -455,15 +451,26 @@ class Scheduler:
             self.running[at:at] = forked
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
-        """After `token` was appended: min_tokens gates EOS and stop ids; the length limits
-        (max_tokens, max_model_len) always apply."""
+        """After `token` was appended: does the request stop, and why."""
         params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
-                return _STOP, None
-            if token in params.stop_token_ids:
-                return _STOP, token
-        if num_output >= params.max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
+        if token == request.eos_token_id or token in params.stop_token_ids:
+            reason, stop_reason = self._stop_on_token(request, token)
+            if reason is not None:
+                return reason, stop_reason
+        if len(request.output_token_ids) >= params.max_tokens \
+                or len(request.all_token_ids) >= self.config.max_model_len:
             return _LENGTH, None
+        return None, None
+
+    @staticmethod
+    def _stop_on_token(request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        """`token` is EOS or a stop id: it stops the request unless min_tokens are not out yet
+        (or it is EOS and EOS is ignored). EOS reports no stop_reason; a stop id reports itself."""
+        params = request.sampling_params
+        if len(request.output_token_ids) < params.min_tokens:
+            return None, None
+        if token == request.eos_token_id and not params.ignore_eos:
+            return _STOP, None
+        if token in params.stop_token_ids:
+            return _STOP, token
         return None, None
