@@ -150,6 +150,9 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--hf", action="store_true", help="also time transformers generate")
+    parser.add_argument("--executors", default="uni",
+                        help="comma list of uni,ray: decode step times through each (ray = the "
+                             "worker in a Ray actor, the step broadcast over a compiled graph)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -172,31 +175,50 @@ def main() -> int:
                                                   args.output_len, vocab, dtype, device)
             print(f"transformers generate: {result['hf_generate']['output_tokens_per_s']:.0f} tok/s", flush=True)
         max_len = max(args.context + args.decode_steps + 16, args.prompt_len + args.output_len + 8)
-        llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
-                  max_model_len=max_len, max_num_seqs=max(batch_sizes + [args.throughput_batch]),
-                  max_num_batched_tokens=8192 if device.type == "cuda" else 1024,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  kv_cache_memory_bytes=2**30)
-        result["num_kv_blocks"] = llm.engine.num_blocks
         weights = weight_bytes(args.shape, element)
         rows = []
-        for batch in batch_sizes:
-            step_ms = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab, device)
-            floor_ms = (weights + batch * args.context * kv_bytes_per_token(args.shape, element)) / bandwidth * 1e3
-            rows.append({"batch": batch, "context": args.context, "step_ms": step_ms,
-                         "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms})
-            print(f"decode B={batch}: {step_ms:.2f} ms/step (floor {floor_ms:.2f} ms, "
-                  f"{step_ms / floor_ms:.2f}x)", flush=True)
+        for index, executor in enumerate(args.executors.split(",")):
+            if executor == "ray":
+                import ray
+
+                if not ray.is_initialized():
+                    ray.init(include_dashboard=False, log_to_driver=False)
+            llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
+                      max_model_len=max_len, max_num_seqs=max(batch_sizes + [args.throughput_batch]),
+                      max_num_batched_tokens=8192 if device.type == "cuda" else 1024,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      kv_cache_memory_bytes=2**30, distributed_executor_backend=executor)
+            result.setdefault("num_kv_blocks", llm.engine.num_blocks)
+            for batch in batch_sizes:
+                step_ms = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab, device)
+                floor_ms = (weights + batch * args.context * kv_bytes_per_token(args.shape, element)) / bandwidth * 1e3
+                rows.append({"executor": executor, "batch": batch, "context": args.context,
+                             "step_ms": step_ms, "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms})
+                print(f"[{executor}] decode B={batch}: {step_ms:.2f} ms/step (floor {floor_ms:.2f} ms, "
+                      f"{step_ms / floor_ms:.2f}x)", flush=True)
+            if index == 0:
+                result["raypaged"] = throughput(llm, args.throughput_batch, args.prompt_len,
+                                                args.output_len, vocab)
+                result["raypaged"]["executor"] = executor
+            llm.shutdown()
+            del llm
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         result["decode"] = rows
-        result["raypaged"] = throughput(llm, args.throughput_batch, args.prompt_len, args.output_len, vocab)
-        llm.shutdown()
 
     ours = result["raypaged"]["output_tokens_per_s"]
     print("\n| what | figure |\n| --- | --- |")
     print(f"| copy bandwidth | {bandwidth / 1e12:.2f} TB/s |")
     for row in rows:
-        print(f"| decode step, batch {row['batch']}, context {row['context']} | {row['step_ms']:.2f} ms "
-              f"({row['ratio_to_floor']:.2f}x the {row['floor_ms']:.2f} ms floor) |")
+        print(f"| decode step [{row['executor']}], batch {row['batch']}, context {row['context']} | "
+              f"{row['step_ms']:.2f} ms ({row['ratio_to_floor']:.2f}x the {row['floor_ms']:.2f} ms floor) |")
+    by_key = {(r["executor"], r["batch"]): r["step_ms"] for r in rows}
+    for batch in batch_sizes:
+        if ("uni", batch) in by_key and ("ray", batch) in by_key:
+            overhead = by_key[("ray", batch)] / by_key[("uni", batch)] - 1
+            result.setdefault("ray_overhead", {})[str(batch)] = overhead
+            print(f"| Ray's cost per step, batch {batch} | {overhead * 100:+.1f}% |")
     print(f"| raypaged, {args.throughput_batch} x ({args.prompt_len} + {args.output_len}) | {ours:.0f} output tok/s |")
     if "hf_generate" in result:
         hf = result["hf_generate"]["output_tokens_per_s"]

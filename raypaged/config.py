@@ -34,6 +34,7 @@ class EngineConfig:
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch on CPU
     scheduling_policy: str = "fcfs"
     # Ray (tensor_parallel_size > 1, or the engine actor)
+    distributed_executor_backend: str | None = None  # "uni" | "ray"; None: ray when tp > 1
     ray_address: str | None = None  # None: start a local Ray (or use the one this process joined)
     ray_cpus_per_worker: float | None = None  # None: 1 per GPU worker, 0.25 per CPU worker
     use_compiled_graph: bool = True  # the per-step broadcast via a Ray Compiled Graph
@@ -51,6 +52,10 @@ class EngineConfig:
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.attention_backend in (None, "torch", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
+            (self.distributed_executor_backend in (None, "uni", "ray"),
+             f"unknown distributed_executor_backend {self.distributed_executor_backend!r}"),
+            (self.distributed_executor_backend != "uni" or self.tensor_parallel_size == 1,
+             "tensor_parallel_size > 1 needs the ray executor"),
             (self.scheduling_policy in ("fcfs", "priority"),
              f"unknown scheduling_policy {self.scheduling_policy!r}"),
         ]
@@ -82,6 +87,8 @@ class EngineConfig:
                            help="KV pool size on CPU, e.g. 512MiB")
         group.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
         group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        group.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
+                           help="workers in this process (uni) or in Ray actors (default: ray when tp > 1)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -36,10 +36,7 @@ class LLM:
 
         config = EngineConfig(model=model, tokenizer=tokenizer,
                               tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
-        executor_class = None
-        if tensor_parallel_size > 1:
-            from raypaged.executor.ray_executor import RayExecutor as executor_class
-        self.engine = EngineCore(config, executor_class=executor_class)
+        self.engine = EngineCore(config)
         self.tokenizer = None
         if not skip_tokenizer_init:
             from transformers import AutoTokenizer

@@ -46,7 +46,7 @@ def resolve_model_dir(config: EngineConfig) -> str:
 
 
 def default_executor_class(config: EngineConfig) -> type:
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 or config.distributed_executor_backend == "ray":
         from raypaged.executor.ray_executor import RayExecutor
 
         return RayExecutor
