@@ -183,9 +183,13 @@ def _prefill_kernel(
 
 
 def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tile sizes and warps measured best on the H200 (benchmarks/bench_kernels.py).
+    """Tile sizes, warps, stages and GQA packing.
 
-    The CPU interpreter pays per program and per loop step, not per element: big tiles there.
+    H200, bf16, d 128 (benchmarks/results/kernels_h200_tune_prefill.json): 128x128 tiles with
+    8 warps and 3 stages were best of 14 at 4k and 8k tokens (363 / 392 TFLOP/s; 128x64 with
+    8 warps: 316 / 328). Packing the GQA group into one program changed nothing beyond noise
+    (+-1%), so it stays off. The CPU interpreter pays per program and per loop step, not per
+    element: big tiles there.
     """
     if device.type != "cuda":
         return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1, "pack_gqa": False}
