@@ -177,8 +177,8 @@ def default_launch_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tile, warps and stages for the split kernel.
 
     From the H200 sweep (benchmarks/results/kernels_h200_tune_decode.json, 18 configs x 4 shapes):
-    64-token tiles with 4 warps were best or within 1-2% of best at every shape; 32-token tiles
-    lose up to 10% and 8 warps up to 15%. Stages 3 vs 4 are within noise.
+    64-token tiles with 4 warps were best at every shape; 128-token tiles lost 2-10%, 32-token
+    tiles 5-21%, 8 warps 4-33%. Stages 3 vs 4 were within noise.
     """
     return {"tile_n": 64, "num_warps": 4, "num_stages": 3}
 
