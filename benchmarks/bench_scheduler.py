@@ -139,7 +139,9 @@ def environment() -> dict:
     except OSError:
         pass
     return {"git_commit": commit, "python": sys.version.split()[0], "implementation": platform.python_implementation(),
-            "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count()}
+            "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            # Other processes on a small machine inflate every figure: keep the evidence.
+            "load_average_1_5_15min": list(os.getloadavg())}
 
 
 def main() -> int:

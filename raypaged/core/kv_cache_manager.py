@@ -290,7 +290,7 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(table))  # tail first: evicted before the prefix
             # Blocks others still hold lose one holder; this request's fill of each is theirs.
             ref_cnt, block_size = self._ref_cnt, self.block_size
-            num_computed = request.num_computed_tokens
+            num_computed = state.request.num_computed_tokens
             for index, block_id in enumerate(table):
                 if ref_cnt[block_id]:
                     self._num_saved_slots -= min(block_size, max(0, num_computed - index * block_size))
