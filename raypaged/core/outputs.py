@@ -87,6 +87,8 @@ class EngineCoreOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the engine failed the request (finish_reason ABORT)
+    # Seconds from being added to being first scheduled; on the request's first output only.
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 from raypaged.config import EngineConfig
 from raypaged.core.errors import UnknownRequestError
@@ -86,6 +87,10 @@ class EngineCore:
             max_waiting_requests=config.max_waiting_requests,
         ))
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
+        # on one clock and handed to the frontend with the request's next output.
+        self._queued_since: dict[str, float] = {}
+        self._queue_times: dict[str, float] = {}
         # One thread steps; others add and abort. The lock is held for bookkeeping only, never
         # while the workers run the model.
         self._lock = threading.Lock()
@@ -107,6 +112,7 @@ class EngineCore:
                     stop_token_ids=request.sampling_params.stop_token_ids + extra)
         with self._lock:
             self.scheduler.add_request(request)
+            self._queued_since[request.request_id] = time.monotonic()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort what is still held; ids that already finished are a benign race, not an error.
@@ -125,15 +131,37 @@ class EngineCore:
         with self._lock:
             outputs, self._pending_outputs = self._pending_outputs, []
             if not self.scheduler.has_unfinished_requests():
+                if self._queued_since:
+                    self._attach_queue_times(outputs)
                 return outputs
             scheduler_output = self.scheduler.schedule()
+            if self._queued_since:
+                self._note_first_scheduled(scheduler_output.scheduled_new_reqs)
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except WorkerGroupError as e:
-            return outputs + self._fail_all(f"the model workers failed: {e}")
-        with self._lock:
-            outputs.extend(self.scheduler.update_from_output(scheduler_output, model_output))
+            outputs += self._fail_all(f"the model workers failed: {e}")
+        else:
+            with self._lock:
+                outputs.extend(self.scheduler.update_from_output(scheduler_output, model_output))
+        if self._queued_since or self._queue_times:
+            self._attach_queue_times(outputs)
         return outputs
+
+    def _note_first_scheduled(self, new_reqs) -> None:
+        now = time.monotonic()
+        for new in new_reqs:  # a preempted request comes back here too: only its first time counts
+            since = self._queued_since.pop(new.req_id, None)
+            if since is not None:
+                self._queue_times[new.req_id] = now - since
+
+    def _attach_queue_times(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            queue_time = self._queue_times.pop(out.req_id, None)
+            if queue_time is not None:
+                out.queue_time_s = queue_time
+            if out.finish_reason is not None:  # aborted while waiting: never scheduled
+                self._queued_since.pop(out.req_id, None)
 
     def _fail_all(self, message: str) -> list[EngineCoreOutput]:
         """Abort every unfinished request with an error and restart the worker group, so the
