@@ -31,6 +31,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # CPU: how much memory the KV pool may take
     max_waiting_requests: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs (they are used for decode steps on CUDA)
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch on CPU
     scheduling_policy: str = "fcfs"
     # Ray (tensor_parallel_size > 1, or the engine actor)
@@ -86,6 +87,7 @@ class EngineConfig:
         group.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_parse_bytes, default=None,
                            help="KV pool size on CPU, e.g. 512MiB")
         group.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+        group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         group.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
                            help="workers in this process (uni) or in Ray actors (default: ray when tp > 1)")

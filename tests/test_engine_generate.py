@@ -177,3 +177,15 @@ def test_generate_cli_prints_json():
     [sample] = result["outputs"]
     expected = hf_greedy(checkpoint_dir("llama"), tuple(result["prompt_token_ids"]), 5)
     assert sample["token_ids"] == expected and sample["finish_reason"] == "length"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_on_cuda_with_and_without_cuda_graphs(enforce_eager):
+    """Triton kernels on the GPU, decode through captured CUDA graphs (padded batch sizes):
+    still token-identical to transformers in fp32."""
+    prompts = random_prompts([1, 7, 17, 40, 3], vocab_of("llama"), seed=16)
+    llm, results = run("llama", prompts, device="cuda", dtype="float32", block_size=16,
+                       max_num_seqs=8, enforce_eager=enforce_eager)
+    assert (llm.engine.executor.worker.runner.decode_graphs is None) == enforce_eager
+    assert_matches_hf("llama", prompts, results)

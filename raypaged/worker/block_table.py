@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 
 class BlockTable:
@@ -10,13 +10,14 @@ class BlockTable:
 
     Rows are assigned when a request arrives and released when it leaves, so a step only writes
     the blocks that are new and gathers the rows it schedules: the work per step does not grow
-    with how long the requests already are.
+    with how long the requests already are. numpy, not torch: these are tiny host arrays, and
+    torch's CPU ops pay thread-pool costs per call that would dominate a decode step.
     """
 
     def __init__(self, max_blocks_per_req: int, initial_rows: int = 64) -> None:
         self.max_blocks_per_req = max_blocks_per_req
-        self.table = torch.zeros((initial_rows, max_blocks_per_req), dtype=torch.int32)
-        self.num_blocks = torch.zeros(initial_rows, dtype=torch.int32)
+        self.table = np.zeros((initial_rows, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
         self._free_rows = list(range(initial_rows - 1, -1, -1))
 
     def add_row(self, block_ids: list[int]) -> int:
@@ -34,20 +35,19 @@ class BlockTable:
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
             raise ValueError(f"block table row overflow: {end} > {self.max_blocks_per_req} blocks")
-        self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
+        self.table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
     def free_row(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def gather(self, rows: list[int]) -> torch.Tensor:
+    def gather(self, rows: np.ndarray) -> np.ndarray:
         """The rows of this step's requests, in step order, cut to the widest one used."""
-        index = torch.tensor(rows, dtype=torch.long)
-        width = max(1, int(self.num_blocks[index].max())) if rows else 1
-        return self.table[index, :width]
+        width = max(1, int(self.num_blocks[rows].max())) if len(rows) else 1
+        return self.table[rows, :width]
 
     def _grow(self) -> None:
         old = self.table.shape[0]
-        self.table = torch.cat([self.table, torch.zeros_like(self.table)])
-        self.num_blocks = torch.cat([self.num_blocks, torch.zeros_like(self.num_blocks)])
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -17,6 +18,7 @@ from raypaged.core.sampling_params import SamplingParams
 from raypaged.kernels import ops
 from raypaged.model.attention import AttentionMetadata
 from raypaged.worker.block_table import BlockTable
+from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.sampler import Sampler, SamplingMetadata
 
 
@@ -53,6 +55,13 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table = BlockTable(max_blocks_per_req=-(-max_model_len // block_size))
         self.sampler = Sampler(seed)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
+                                          self.block_table.max_blocks_per_req, max_model_len,
+                                          self.device)
+        self.decode_graphs.capture()
 
     # ---- applying the diff -------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -105,31 +114,30 @@ class ModelRunner:
             input_ids.extend(state.token_ids[start : start + n])
             starts.append(start)
         num_tokens = len(input_ids)
-        query_lens = torch.tensor(counts, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        seq_lens = torch.tensor(starts, dtype=torch.int32) + query_lens
-        # positions: for each token, its request's start + its index within the request's chunk
-        req_of_token = torch.repeat_interleave(torch.arange(len(counts)), query_lens.long())
-        offsets = torch.arange(num_tokens, dtype=torch.int64) - query_start_loc[:-1].long()[req_of_token]
-        positions = torch.tensor(starts, dtype=torch.int64)[req_of_token] + offsets
-        block_tables = self.block_table.gather([s.row for s in states])
-        slot_mapping = (block_tables[req_of_token, positions // self.block_size].long() * self.block_size
-                        + positions % self.block_size)
+        query_lens = np.array(counts, dtype=np.int64)
+        query_start_loc = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        seq_lens = np.array(starts, dtype=np.int64) + query_lens
+        # Each token's position: its request's start plus its index within this step's chunk.
+        positions = (np.arange(num_tokens) + np.repeat(np.array(starts) - query_start_loc[:-1], query_lens))
+        block_tables = self.block_table.gather(np.array([s.row for s in states]))
+        req_of_token = np.repeat(np.arange(len(counts)), query_lens)
+        slot_mapping = (block_tables[req_of_token, positions // self.block_size].astype(np.int64)
+                        * self.block_size + positions % self.block_size)
 
         dev = self.device
         metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=seq_lens.to(dev, non_blocking=True),
-            query_start_loc=query_start_loc.to(dev, non_blocking=True),
+            slot_mapping=_to_device(slot_mapping, dev),
+            block_tables=_to_device(block_tables, dev),
+            seq_lens=_to_device(seq_lens.astype(np.int32), dev),
+            query_start_loc=_to_device(query_start_loc.astype(np.int32), dev),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_query_len=max(counts),
             max_seq_len=int(seq_lens.max()),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        return states, ids, positions.to(dev, non_blocking=True), metadata
+        ids = _to_device(np.array(input_ids, dtype=np.int64), dev)
+        return states, ids, _to_device(positions, dev), metadata
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -138,7 +146,10 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput() if self.is_driver else None
         states, input_ids, positions, metadata = self._prepare_inputs(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
+            hidden = self.decode_graphs.run(input_ids, positions, metadata)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
         # Requests whose step reaches their last known token produce a sample; a prefill chunk
         # that stops short of it does not.
@@ -193,3 +204,8 @@ class ModelRunner:
                     result.logprobs[i] = []
                 result.logprobs[i].append(row_logprobs[row])
         return result
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -142,6 +142,8 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, max_model_len,
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
                                   seed=self.config.seed)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.runner.capture_decode_graphs(self.config.max_num_seqs, max_model_len)
 
     # ---- per step ----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
