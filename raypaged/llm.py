@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 from tqdm import tqdm
@@ -13,7 +14,15 @@ from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.engine.core import EngineCore
+from raypaged.frontend.detokenizer import IncrementalDetokenizer
+from raypaged.frontend.stop_strings import StopStringMatcher
 from raypaged.outputs import CompletionOutput, RequestOutput
+
+@dataclass
+class _SampleText:
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+
 
 class RequestsFailedError(RaypagedError):
     """The engine failed some requests (e.g. a model worker died); `outputs` holds everything
@@ -43,6 +52,7 @@ class LLM:
 
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.engine.model_dir)
         self._ids = itertools.count()
+        self._text: dict[str, list[_SampleText]] = {}  # per request, per sample
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -57,7 +67,6 @@ class LLM:
             raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
 
         results: dict[str, RequestOutput] = {}
-        params_of: dict[str, SamplingParams] = {}
         for prompt, params in zip(prompts, params_list):
             text, token_ids = self._tokenize(prompt)
             request_id = str(next(self._ids))
@@ -65,17 +74,22 @@ class LLM:
             results[request_id] = RequestOutput(
                 request_id, text, token_ids,
                 outputs=[CompletionOutput(i, "", []) for i in range(params.n)])
-            params_of[request_id] = params
+            if self.tokenizer is not None:
+                self._text[request_id] = [
+                    _SampleText(IncrementalDetokenizer(self.tokenizer, token_ids),
+                                StopStringMatcher(params.stop)) for _ in range(params.n)]
 
         progress = tqdm(total=len(results), disable=not use_tqdm, desc="generate")
         unfinished = set(results)
         while unfinished:
             for out in self.engine.step():
-                self._apply(results[out.group_id], out, params_of[out.group_id])
+                self._apply(results[out.group_id], out)
             for request_id in [r for r in unfinished if results[r].finished]:
                 unfinished.discard(request_id)
                 progress.update(1)
         progress.close()
+        for request_id in results:
+            self._text.pop(request_id, None)
         outputs = list(results.values())
         failed = [o for r in outputs for o in r.outputs if o.error]
         if failed:
@@ -91,7 +105,7 @@ class LLM:
             return None, list(prompt["prompt_token_ids"])
         raise InvalidRequestError("a prompt is a string or {'prompt_token_ids': [...]}")
 
-    def _apply(self, result: RequestOutput, out: EngineCoreOutput, params: SamplingParams) -> None:
+    def _apply(self, result: RequestOutput, out: EngineCoreOutput) -> None:
         sample = result.outputs[out.sample_index]
         if sample.finished:  # e.g. stopped on a stop string, its abort record arriving late
             return
@@ -103,21 +117,20 @@ class LLM:
             sample.finish_reason = out.finish_reason.value
             sample.stop_reason = out.stop_reason
             sample.error = out.error
-        # Text only where it is needed: at the end, or every step while stop strings are watched.
-        if self.tokenizer is not None and (out.finished or params.stop):
-            sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            if params.stop and not sample.finished:
-                self._check_stop_strings(sample, out.req_id, params)
-
-    def _check_stop_strings(self, sample: CompletionOutput, req_id: str, params: SamplingParams) -> None:
-        hits = [(sample.text.find(s), s) for s in params.stop if s in sample.text]
-        if not hits:
+        texts = self._text.get(result.request_id)
+        if texts is None:
             return
-        index, stop = min(hits)
-        sample.text = sample.text[:index]
-        sample.finish_reason = FinishReason.STOP.value
-        sample.stop_reason = stop
-        self.engine.abort_requests([req_id])
+        state = texts[out.sample_index]
+        delta = state.detokenizer.push(out.new_token_ids)
+        if out.finished:
+            delta += state.detokenizer.flush()
+        released, stop = state.stop_matcher.feed(delta)
+        sample.text += released
+        if stop is not None:  # the text ends before the stop string; the engine drops the sample
+            sample.finish_reason, sample.stop_reason = FinishReason.STOP.value, stop
+            self.engine.abort_requests([out.req_id])
+        elif out.finished:
+            sample.text += state.stop_matcher.flush()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -7,6 +7,7 @@ workers. It knows nothing of text: requests arrive as token ids and leave as tok
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -95,6 +96,9 @@ class EngineCore:
         # while the workers run the model.
         self._lock = threading.Lock()
         self._executor_class = executor_class
+        # Everything allocated so far lives as long as the engine: keep the collector from
+        # rescanning it on every step (the scheduler allocates a few objects per request per step).
+        gc.freeze()
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, self.num_blocks, config.block_size,
                     self.max_model_len)
