@@ -37,7 +37,11 @@ SCENARIOS: dict[str, SamplingParams] = {
     "seeded": SamplingParams(temperature=0.8, seed=1),
     "everything": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=1,
                                  repetition_penalty=1.1, frequency_penalty=0.3, logprobs=5),
+    "top_p=0.9 flat": SamplingParams(temperature=0.8, top_p=0.9),
 }
+# Logits are N(0, scale^2): 3 puts the nucleus within a few dozen tokens, as a trained model
+# does; "flat" rows (scale 0.3) have a nucleus of ~100k tokens, so every row spills to a full sort.
+LOGIT_SCALE = {"top_p=0.9 flat": 0.3}
 
 
 def build(params, prompts, outputs, device, vocab=VOCAB):
@@ -94,10 +98,11 @@ def time_scenarios(device: torch.device, batch_sizes: list[int]) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for batch in batch_sizes:
-        logits = (torch.randn(batch, VOCAB, device=device, generator=gen) * 3).bfloat16()
+        noise = torch.randn(batch, VOCAB, device=device, generator=gen)
         prompts = torch.randint(0, VOCAB, (batch, PROMPT_LEN)).tolist()
         outputs = torch.randint(0, VOCAB, (batch, OUTPUT_LEN)).tolist()
         for name, params in SCENARIOS.items():
+            logits = (noise * LOGIT_SCALE.get(name, 3.0)).bfloat16()
             md = build([params] * batch, prompts, outputs, device)
             forward_ms = do_bench(lambda: sampler(logits, md), warmup=25, rep=200)
             torch.cuda.synchronize()

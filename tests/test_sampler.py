@@ -148,6 +148,19 @@ def test_top_p_candidate_prefix_and_full_sort_agree_with_transformers(candidates
         assert_same_filtering(actual[row], hf_reference(logits[row], p, [0], []))
 
 
+def test_top_p_default_candidate_prefix_on_a_large_batch():
+    # 32 rows of a 5000-token vocabulary take the default prefix path (4096 candidates); the
+    # flat rows' nuclei do not fit in it and spill to the full sort.
+    torch.manual_seed(11)
+    rows, vocab_size = 32, 5000
+    logits = torch.randn(rows, vocab_size) * torch.linspace(0.01, 8.0, rows).unsqueeze(1)
+    params = [SamplingParams(top_p=[0.97, 0.5, 0.9][row % 3], top_k=[-1, -1, 4500, 40][row % 4])
+              for row in range(rows)]
+    actual = processed_logits(logits, build(params, logits=logits))
+    for row, p in enumerate(params):
+        assert_same_filtering(actual[row], hf_reference(logits[row], p, [0], []))
+
+
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.6, 0.9, 0.999])
 def test_top_p_set_matches_transformers(top_p):
     torch.manual_seed(3)
