@@ -127,7 +127,9 @@ def main() -> None:
     checks = check_correctness(device)
     print("checks:", checks, flush=True)
     timings = time_scenarios(device, [int(b) for b in args.batch_sizes.split(",")])
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # The device machine's copy of the tree may carry no git history: say so rather than guess.
+    commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
     record = dict(commit=commit, device=torch.cuda.get_device_name(), torch=torch.__version__,
                   python=platform.python_version(), vocab=VOCAB, prompt_len=PROMPT_LEN,
                   output_len=OUTPUT_LEN, checks=checks, timings=timings)
