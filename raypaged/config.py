@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from raypaged.core.errors import InvalidRequestError
 
+KV_CACHE_MODES = ("paged", "contiguous")
+
 
 @dataclass
 class EngineConfig:
@@ -34,6 +36,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (they are used for decode steps on CUDA)
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch on CPU
     scheduling_policy: str = "fcfs"
+    # paged: blocks on demand (PagedAttention). contiguous: every request reserves max_model_len
+    # slots up front, the allocator PagedAttention replaces; kept as the benchmark baseline.
+    kv_cache_mode: str = "paged"
     # Ray (tensor_parallel_size > 1, or the engine actor)
     distributed_executor_backend: str | None = None  # "uni" | "ray"; None: ray when tp > 1
     ray_address: str | None = None  # None: start a local Ray (or use the one this process joined)
@@ -41,6 +46,7 @@ class EngineConfig:
     use_compiled_graph: bool = True  # the per-step broadcast via a Ray Compiled Graph
     step_timeout_s: float = 60.0  # a step slower than this means a hung worker group
     ray_start_timeout_s: float = 300.0
+    max_worker_restarts: int = 3  # failed worker-group restarts in a row before giving up
 
     def validate(self) -> None:
         checks = [
@@ -59,6 +65,8 @@ class EngineConfig:
              "tensor_parallel_size > 1 needs the ray executor"),
             (self.scheduling_policy in ("fcfs", "priority"),
              f"unknown scheduling_policy {self.scheduling_policy!r}"),
+            (self.kv_cache_mode in KV_CACHE_MODES,
+             f"kv_cache_mode must be one of {KV_CACHE_MODES}, got {self.kv_cache_mode!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -89,6 +97,9 @@ class EngineConfig:
         group.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
         group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        group.add_argument("--kv-cache-mode", default="paged", choices=list(KV_CACHE_MODES),
+                           help="paged (default), or contiguous: each request reserves "
+                                "max_model_len slots up front (the baseline for benchmarks)")
         group.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
                            help="workers in this process (uni) or in Ray actors (default: ray when tp > 1)")
 

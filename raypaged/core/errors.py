@@ -23,3 +23,8 @@ class NoFreeBlocksError(RaypagedError):
 class QueueFullError(InvalidRequestError):
     """The waiting queue is at its bound (SchedulerConfig.max_waiting_requests): try again later.
     The frontend maps it to RESOURCE_EXHAUSTED rather than INVALID_ARGUMENT."""
+
+
+class EngineDeadError(RaypagedError):
+    """The engine cannot serve anything (its actor is gone, or its workers could not be brought
+    back): the frontend answers UNAVAILABLE."""

@@ -365,6 +365,19 @@ class Scheduler:
                 out.preempted_req_ids.add(request_id)
         return refund
 
+    def reset_workers(self) -> None:
+        """The workers were replaced (their group failed) and hold nothing now. Every running
+        request goes back to waiting and recomputes its prompt plus the tokens it already
+        produced, as after a preemption, in its original order; the prefix cache is emptied,
+        since its blocks' contents died with the old workers' KV pools."""
+        scratch = SchedulerOutput()
+        while self.running:  # newest first: each goes to the front, so the oldest ends first
+            self._preempt(len(self.running) - 1, scratch)
+        self._on_workers.clear()
+        self._rewritten.clear()
+        self._finished_req_ids.clear()
+        self.kv_cache_manager.reset_prefix_cache()
+
     def _unschedule(self, request_id: str, out: SchedulerOutput) -> None:
         """Take a request scheduled earlier in this step back out of the output (priority
         preemption can pick one)."""

@@ -16,16 +16,12 @@ from dataclasses import dataclass
 import ray
 
 from raypaged.config import EngineConfig
-from raypaged.core.errors import RaypagedError
+from raypaged.core.errors import EngineDeadError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
 from raypaged.engine.actor import EngineActor
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RaypagedError):
-    """The engine actor is gone (or its loop died): nothing can be served until it is back."""
 
 
 @dataclass

@@ -15,7 +15,8 @@ import threading
 import time
 
 from raypaged.config import EngineConfig
-from raypaged.core.errors import UnknownRequestError
+from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
+from raypaged.core.errors import EngineDeadError, UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
 from raypaged.core.scheduler import Scheduler
@@ -86,7 +87,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             max_waiting_requests=config.max_waiting_requests,
-        ))
+        ), kv_cache_manager=self._contiguous_manager() if config.kv_cache_mode == "contiguous" else None)
         self._pending_outputs: list[EngineCoreOutput] = []
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
@@ -96,6 +97,9 @@ class EngineCore:
         # while the workers run the model.
         self._lock = threading.Lock()
         self._executor_class = executor_class
+        self._consecutive_failures = 0
+        self.num_worker_restarts = 0
+        self.dead: str | None = None  # set once the workers cannot be brought back
         # Everything allocated so far lives as long as the engine: keep the collector from
         # rescanning it on every step (the scheduler allocates a few objects per request per step).
         gc.freeze()
@@ -114,6 +118,8 @@ class EngineCore:
                 request.sampling_params = dataclasses.replace(
                     request.sampling_params,
                     stop_token_ids=request.sampling_params.stop_token_ids + extra)
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         with self._lock:
             self.scheduler.add_request(request)
             self._queued_since[request.request_id] = time.monotonic()
@@ -144,8 +150,9 @@ class EngineCore:
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except WorkerGroupError as e:
-            outputs += self._fail_all(f"the model workers failed: {e}")
+            outputs += self._recover(f"the model workers failed: {e}")
         else:
+            self._consecutive_failures = 0
             with self._lock:
                 outputs.extend(self.scheduler.update_from_output(scheduler_output, model_output))
         if self._queued_since or self._queue_times:
@@ -167,25 +174,47 @@ class EngineCore:
             if out.finish_reason is not None:  # aborted while waiting: never scheduled
                 self._queued_since.pop(out.req_id, None)
 
-    def _fail_all(self, message: str) -> list[EngineCoreOutput]:
-        """Abort every unfinished request with an error and restart the worker group, so the
-        engine keeps serving new requests. (Recomputing them instead is [reliability]'s work.)"""
-        logger.error("%s; failing in-flight requests and restarting the workers", message)
+    def _recover(self, message: str) -> list[EngineCoreOutput]:
+        """A worker died or hung: restart the whole group (a rank cannot rejoin a broken process
+        group) and recompute every in-flight request from its prompt plus the tokens already
+        produced, as a preemption would, so callers see no gap and no repeat. After
+        max_worker_restarts failures in a row, fail the requests and refuse new ones."""
+        logger.error("%s; restarting the worker group", message)
         with self._lock:
-            ids = list(self.scheduler.requests)
-            failed = self.scheduler.abort_requests(ids) if ids else []
+            self.scheduler.reset_workers()
+        while self._consecutive_failures < self.config.max_worker_restarts:
+            self._consecutive_failures += 1
+            self.num_worker_restarts += 1
+            try:
+                self._restart_workers()
+                return []
+            except Exception as e:  # noqa: BLE001 - any failure to start counts as one attempt
+                logger.error("worker group restart %d failed: %s", self._consecutive_failures, e)
+                message = f"{message}; restart failed: {e}"
+        self.dead = f"{message} (gave up after {self.config.max_worker_restarts} restarts)"
+        with self._lock:
+            failed = self.scheduler.abort_requests(list(self.scheduler.requests)) \
+                if self.scheduler.requests else []
         for out in failed:
-            out.error = message
-        self.restart_workers()
+            out.error = self.dead
         return failed
 
-    def restart_workers(self) -> None:
+    def _restart_workers(self) -> None:
         try:
             self.executor.shutdown()
         except Exception:  # the group is already broken; what matters is the new one
             logger.debug("executor shutdown after failure", exc_info=True)
         self.executor = self._executor_class(self.config, self.model_dir)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+
+    def _contiguous_manager(self) -> ContiguousKVCacheManager:
+        """The reservation baseline (kv_cache_mode "contiguous"). A pool smaller than one
+        max_model_len reservation could run nothing: ValueError, the workers shut down."""
+        try:
+            return ContiguousKVCacheManager(self.num_blocks, self.config.block_size, self.max_model_len)
+        except ValueError:
+            self.executor.shutdown()
+            raise
 
     def shutdown(self) -> None:
         self.executor.shutdown()
