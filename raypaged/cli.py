@@ -10,10 +10,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypaged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each module's add_parser() stays import-light; the heavy imports happen inside its run().
-    from raypaged.commands import generate
+    from raypaged.commands import generate, launch
     from raypaged.simulator import cli as simulate_cli
 
     generate.add_parser(sub)
+    launch.add_parser(sub)
     simulate_cli.add_parser(sub)
     return parser
 

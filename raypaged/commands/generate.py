@@ -1,4 +1,5 @@
-"""`raypaged generate`: one prompt through the offline engine, printed as text or JSON."""
+"""`raypaged generate`: one prompt through the offline engine (or, with --server, streamed from a
+running `raypaged launch`), printed as text or JSON."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--json", action="store_true", help="print token ids and text as JSON")
+    parser.add_argument("--server", metavar="HOST:PORT", default=None,
+                        help="stream from a running `raypaged launch` server (engine flags ignored)")
+    parser.add_argument("--timeout", type=float, default=None, help="with --server: deadline in seconds")
     EngineConfig.add_cli_args(parser)
     add_sampling_args(parser)
     parser.set_defaults(run=run)
@@ -53,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from raypaged.core.errors import InvalidRequestError
     from raypaged.llm import LLM
+
+    if args.server:
+        return run_remote(args)
 
     try:
         params = sampling_params_from_args(args)
@@ -75,14 +82,57 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "prompt": result.prompt,
             "prompt_token_ids": result.prompt_token_ids,
-            "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
-                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                         "logprobs": ([{str(k): v for k, v in lp.items()} for lp in o.logprobs]
-                                      if o.logprobs else None)}
-                        for o in result.outputs],
+            "outputs": [output_json(o) for o in result.outputs],
         }))
     else:
         for o in result.outputs:
             prefix = f"[{o.index}] " if len(result.outputs) > 1 else ""
             print(f"{prefix}{result.prompt}{o.text}")
+    return 0
+
+
+def output_json(o) -> dict:
+    """One sample (offline CompletionOutput or the client's Completion) as JSON."""
+    return {"index": o.index, "text": o.text, "token_ids": o.token_ids,
+            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+            "logprobs": ([{str(k): v for k, v in lp.items()} for lp in o.logprobs]
+                         if o.logprobs else None)}
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    """Stream from a server: text as it arrives for one sample; all samples at the end for n > 1."""
+    from raypaged.client import Client, RequestError, ResultBuilder
+    from raypaged.core.errors import InvalidRequestError
+
+    try:
+        params = sampling_params_from_args(args)
+    except InvalidRequestError as e:
+        print(f"raypaged generate: {e}", file=sys.stderr)
+        return 2
+    streaming = params.n == 1 and not args.json
+    builder = ResultBuilder()
+    with Client(args.server) as client:
+        try:
+            if streaming:
+                print(args.prompt, end="", flush=True)
+            for chunk in client.stream(args.prompt, params, timeout=args.timeout):
+                builder.add(chunk)
+                if streaming:
+                    print("".join(o.text for o in chunk.outputs), end="", flush=True)
+        except RequestError as e:
+            print(f"\nraypaged generate: {e}" if streaming else f"raypaged generate: {e}", file=sys.stderr)
+            return 1
+    result = builder.result()
+    if streaming:
+        print()
+    elif args.json:
+        usage = result.usage
+        print(json.dumps({
+            "request_id": result.request_id, "prompt": args.prompt,
+            "usage": vars(usage) if usage else None,
+            "outputs": [output_json(o) for o in result.outputs],
+        }))
+    else:
+        for o in result.outputs:
+            print(f"[{o.index}] {args.prompt}{o.text}")
     return 0

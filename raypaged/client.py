@@ -1,0 +1,277 @@
+"""Python client of a raypaged server: `AsyncClient` (asyncio) and `Client` (blocking).
+
+    from raypaged.client import Client
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.stream("def fib(n):", max_tokens=32, temperature=0):
+            print(chunk.outputs[0].text, end="", flush=True)
+        result = client.generate("def fib(n):", max_tokens=32)   # the whole completion
+
+Sampling parameters are keyword arguments named as in SamplingParams (n, max_tokens,
+temperature, top_p, top_k, min_p, stop, stop_token_ids, seed, logprobs, ignore_eos, …), or a
+SamplingParams object. A prompt is text or a list of token ids. Leaving a stream early cancels
+the call, which aborts the request on the server. Errors raise RequestError with the status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from raypaged.core.sampling_params import SamplingParams
+from raypaged.proto.v1 import SERVICE_NAME, raypaged_pb2, raypaged_pb2_grpc
+
+pb = raypaged_pb2
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                  pb.FINISH_REASON_ABORT: "abort"}
+_OPTIONAL_FIELDS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+                    "skip_special_tokens")
+_SAMPLING_FIELDS = frozenset(_OPTIONAL_FIELDS + ("stop", "stop_token_ids", "ignore_eos"))
+
+
+class RequestError(Exception):
+    """The server refused or failed the call: `code` is the gRPC status, `message` says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class CompletionChunk:
+    """One sample's news in one stream message."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per token: top tokens and the sampled one
+    finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last chunk
+    stop_reason: int | str | None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class StreamChunk:
+    request_id: str
+    outputs: list[CompletionChunk]
+    usage: Usage | None  # on the stream's last message
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    outputs: list[Completion]
+    usage: Usage | None
+
+
+def build_request(prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                  request_id: str = "", priority: int = 0, cache_salt: str = "",
+                  **sampling) -> pb.GenerateRequest:
+    unknown = set(sampling) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling parameters: {', '.join(sorted(unknown))}")
+    if params is not None:
+        if sampling:
+            raise TypeError("give a SamplingParams or keyword sampling parameters, not both")
+        sampling = {name: getattr(params, name) for name in _SAMPLING_FIELDS if hasattr(params, name)}
+    message = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
+    if isinstance(prompt, str):
+        message.prompt = prompt
+    else:
+        message.prompt_token_ids.extend(prompt)
+    target = message.sampling_params
+    for name in _OPTIONAL_FIELDS:
+        if sampling.get(name) is not None:
+            setattr(target, name, sampling[name])
+    stop = sampling.get("stop") or ()
+    target.stop.extend([stop] if isinstance(stop, str) else stop)
+    target.stop_token_ids.extend(sampling.get("stop_token_ids") or ())
+    target.ignore_eos = bool(sampling.get("ignore_eos", False))
+    return message
+
+
+def chunk_from_proto(message: pb.GenerateResponse) -> StreamChunk:
+    outputs = []
+    for delta in message.outputs:
+        which = delta.WhichOneof("stop_reason")
+        logprobs = None
+        if delta.logprobs:
+            logprobs = [{**{t.token_id: t.logprob for t in lp.top_logprobs}, lp.token_id: lp.logprob}
+                        for lp in delta.logprobs]
+        outputs.append(CompletionChunk(
+            index=delta.index, text=delta.text, token_ids=list(delta.token_ids), logprobs=logprobs,
+            finish_reason=FINISH_REASONS.get(delta.finish_reason),
+            stop_reason=getattr(delta, which) if which else None))
+    usage = None
+    if message.HasField("usage"):
+        u = message.usage
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return StreamChunk(message.request_id, outputs, usage)
+
+
+class ResultBuilder:
+    """Accumulates a stream's chunks into the whole GenerateResult."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.outputs: dict[int, Completion] = {}
+        self.usage: Usage | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.request_id = chunk.request_id
+        for out in chunk.outputs:
+            completion = self.outputs.setdefault(out.index, Completion(out.index))
+            completion.text += out.text
+            completion.token_ids.extend(out.token_ids)
+            if out.logprobs is not None:
+                completion.logprobs = (completion.logprobs or []) + out.logprobs
+            if out.finish_reason is not None:
+                completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def result(self) -> GenerateResult:
+        return GenerateResult(self.request_id, [self.outputs[i] for i in sorted(self.outputs)], self.usage)
+
+
+def _error(e: grpc.RpcError) -> RequestError:
+    return RequestError(e.code(), e.details() or "")
+
+
+class AsyncClient:
+    def __init__(self, address: str, *, options: Sequence[tuple[str, object]] = ()) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=list(options))
+        self._stub = raypaged_pb2_grpc.RaypagedServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                     request_id: str = "", timeout: float | None = None, priority: int = 0,
+                     cache_salt: str = "", **sampling) -> AsyncIterator[StreamChunk]:
+        message = build_request(prompt, params, request_id=request_id, priority=priority,
+                                cache_salt=cache_salt, **sampling)
+        call = self._stub.Generate(message, timeout=timeout)
+        try:
+            async for response in call:
+                yield chunk_from_proto(response)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()  # no-op once the stream ended; aborts the request when left early
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       **kwargs) -> GenerateResult:
+        builder = ResultBuilder()
+        async for chunk in self.stream(prompt, params, **kwargs):
+            builder.add(chunk)
+        return builder.result()
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._stub.Abort(pb.AbortRequest(request_id=request_id))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    async def model_info(self) -> pb.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest())
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    async def health(self, service: str = SERVICE_NAME, timeout: float | None = 5.0) -> str:
+        """"SERVING", "NOT_SERVING", … as grpc.health.v1 names them."""
+        try:
+            response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                                timeout=timeout)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class Client:
+    """Blocking twin of AsyncClient (same methods), for scripts and the command line."""
+
+    def __init__(self, address: str, *, options: Sequence[tuple[str, object]] = ()) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=list(options))
+        self._stub = raypaged_pb2_grpc.RaypagedServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               request_id: str = "", timeout: float | None = None, priority: int = 0,
+               cache_salt: str = "", **sampling) -> Iterator[StreamChunk]:
+        message = build_request(prompt, params, request_id=request_id, priority=priority,
+                                cache_salt=cache_salt, **sampling)
+        call = self._stub.Generate(message, timeout=timeout)
+        try:
+            for response in call:
+                yield chunk_from_proto(response)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                 **kwargs) -> GenerateResult:
+        builder = ResultBuilder()
+        for chunk in self.stream(prompt, params, **kwargs):
+            builder.add(chunk)
+        return builder.result()
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._stub.Abort(pb.AbortRequest(request_id=request_id))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    def model_info(self) -> pb.ModelInfo:
+        try:
+            return self._stub.GetModelInfo(pb.GetModelInfoRequest())
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    def health(self, service: str = SERVICE_NAME, timeout: float | None = 5.0) -> str:
+        try:
+            response = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

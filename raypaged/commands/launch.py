@@ -1,0 +1,109 @@
+"""`raypaged launch`: start (or join) Ray, create the engine actor and its TP workers, serve gRPC
+and Prometheus metrics, and shut everything down on SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from raypaged.config import EngineConfig
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("launch", help="serve a model over gRPC (the built-in demo model by default)",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (0.0.0.0: every interface; mind who can reach it)")
+    group.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics on this port (0: any free port; default: off)")
+    group.add_argument("--address", default=None,
+                       help="Ray cluster to join: auto, or HOST:PORT (default: start a local Ray)")
+    group.add_argument("--served-model-name", default=None,
+                       help="model name in ModelInfo and metric labels (default: the directory's name)")
+    group.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                       help="requests the engine queues before answering RESOURCE_EXHAUSTED")
+    group.add_argument("--shutdown-grace", type=float, default=30.0,
+                       help="seconds that streams in flight get to finish on SIGINT / SIGTERM")
+    EngineConfig.add_cli_args(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from raypaged.core.errors import InvalidRequestError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig.from_cli_args(args)
+        config.ray_address = args.address
+        config.max_waiting_requests = args.max_waiting_requests
+        config.validate()
+    except InvalidRequestError as e:
+        print(f"raypaged launch: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(config, args))
+    except OSError as e:  # e.g. the port is taken
+        print(f"raypaged launch: {e}", file=sys.stderr)
+        return 1
+
+
+async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    import ray
+    from transformers import AutoTokenizer
+
+    from raypaged.engine.client import AsyncEngineClient
+    from raypaged.frontend.server import FrontendServer, ServerConfig
+
+    logger = logging.getLogger("raypaged.launch")
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        # address None starts a local Ray; "auto" or HOST:PORT joins a running cluster.
+        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+    engine = None
+    try:
+        engine = await AsyncEngineClient.start(config)
+        info = engine.model_info
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or info["model_dir"])
+        model_name = args.served_model_name or ("demo" if config.model is None else None)
+        server = FrontendServer(
+            engine, tokenizer,
+            ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                         model_name=model_name, shutdown_grace_s=args.shutdown_grace),
+            owns_engine=True)
+        await server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda s=sig: _on_signal(server, s, logger))
+        metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+        # One line that scripts wait for: the address is real and the server is SERVING.
+        logger.info("raypaged ready: serving %s (%s, %d KV blocks of %d tokens, tp %d) on %s%s",
+                    server.service.model_name, info["architecture"], info["num_blocks"],
+                    info["block_size"], info["tensor_parallel_size"], server.address, metrics)
+        engine = None  # the server owns it now
+        await server.wait_closed()
+        logger.info("raypaged stopped")
+        return 0
+    finally:
+        if engine is not None:
+            await engine.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+def _on_signal(server, sig, logger) -> None:
+    import asyncio
+
+    logger.info("%s: shutting down (streams in flight get %.0f s to finish)",
+                sig.name, server.config.shutdown_grace_s)
+    asyncio.get_running_loop().create_task(server.shutdown())

@@ -1,0 +1,40 @@
+"""What the frontend can fail with, and the gRPC status each maps to.
+
+Every refusal is a status with a message the client can act on; nothing else ever reaches a
+client (an unexpected exception is logged here with its traceback and answered INTERNAL).
+Other transports (Ray Serve's HTTP, issue 7) map the same codes to their own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from raypaged.core.errors import InvalidRequestError, QueueFullError, RaypagedError, UnknownRequestError
+from raypaged.engine.client import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+class ServerShuttingDownError(RaypagedError):
+    """New requests are refused while the server drains its streams before stopping."""
+
+
+class RequestFailedError(RaypagedError):
+    """The engine failed a request it had accepted (its model workers broke; it restarts them)."""
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for an exception raised while serving a request."""
+    # Order matters: QueueFullError is an InvalidRequestError, UnknownRequestError a KeyError.
+    if isinstance(error, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error} (try again later)"
+    if isinstance(error, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, UnknownRequestError):
+        return grpc.StatusCode.NOT_FOUND, str(error)
+    if isinstance(error, (EngineDeadError, ServerShuttingDownError, RequestFailedError)):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    logger.error("internal error while serving a request", exc_info=error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"

@@ -1,0 +1,115 @@
+"""The API's logic, free of any transport: GenerateRequest in, GenerateResponse messages out.
+
+The gRPC servicer wraps it (frontend/servicer.py), and so can Ray Serve's gRPC proxy or an HTTP
+layer: errors leave as exceptions, which frontend/errors.py maps to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from raypaged.core.errors import UnknownRequestError
+from raypaged.engine.client import AsyncEngineClient, EngineDeadError
+from raypaged.frontend.errors import ServerShuttingDownError
+from raypaged.frontend.metrics import FrontendMetrics, RequestTracker
+from raypaged.frontend.output_processor import RequestOutputProcessor
+from raypaged.frontend.validation import ModelLimits, RequestLimits, prepare_request
+from raypaged.proto.v1 import raypaged_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationService:
+    def __init__(self, engine: AsyncEngineClient, tokenizer: Any, *, model_name: str | None = None,
+                 limits: RequestLimits = RequestLimits(), metrics: FrontendMetrics | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        info = engine.model_info
+        self.model_name = model_name or os.path.basename(os.path.normpath(info["model_dir"]))
+        self.model = ModelLimits.from_model_info(info)
+        self.limits = limits
+        self.metrics = metrics
+        self.accepting = True
+        self._in_flight: set[str] = set()  # group ids of requests being streamed
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        if not self.accepting:
+            raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
+        if not self.engine.is_alive:
+            raise EngineDeadError("the engine is gone; the server cannot serve requests")
+        prepared = prepare_request(message, self.tokenizer, self.model, self.limits)
+        request = prepared.request
+        request_id = request.group_id
+        processor = RequestOutputProcessor(request, self.tokenizer, prepared.skip_special_tokens)
+        tracker = None
+        if self.metrics is not None:
+            tracker = self.metrics.track(request.num_prompt_tokens, request.sampling_params.n,
+                                         request.sampling_params.max_tokens)
+        self._in_flight.add(request_id)
+        self._idle.clear()
+        try:
+            async with contextlib.aclosing(self.engine.generate(request)) as outputs:
+                async for out in outputs:
+                    processed = processor.process(out)
+                    if processed is None:
+                        continue
+                    if tracker is not None:
+                        tracker.on_tokens(out.sample_index, processed.num_new_tokens, out.queue_time_s)
+                        if processed.finish_reason is not None:
+                            tracker.on_finished(out.sample_index, processed.finish_reason)
+                    response = pb.GenerateResponse(request_id=request_id, outputs=[processed.delta])
+                    if processor.finished:
+                        response.usage.CopyFrom(processor.usage())
+                    yield response
+                    if processor.finished:
+                        if processor.samples_stopped_by_strings():
+                            return  # leaving aclosing aborts the samples the engine still runs
+                        continue  # the engine finished them all: its stream ends by itself
+                    just_stopped = processor.samples[out.sample_index].stopped_by_string
+                    if just_stopped and processed.finish_reason is not None and out.sample_index > 0:
+                        # Other samples go on; end this one in the engine. (Sample 0's id is the
+                        # group's, which would abort them all: it runs on until they finish.)
+                        await self.engine.abort(out.req_id)
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+            if tracker is not None:
+                for index in processor.unfinished_sample_indices():
+                    tracker.on_finished(index, "abort")
+            raise
+        finally:
+            self._in_flight.discard(request_id)
+            if not self._in_flight:
+                self._idle.set()
+
+    async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
+        if message.request_id not in self._in_flight:
+            raise UnknownRequestError(f"no request {message.request_id!r} is in flight on this server")
+        await self.engine.abort(message.request_id)
+        return pb.AbortResponse()
+
+    def model_info(self) -> pb.ModelInfo:
+        info = self.engine.model_info
+        return pb.ModelInfo(
+            name=self.model_name, architecture=info["architecture"],
+            max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+            block_size=info["block_size"], num_blocks=info["num_blocks"],
+            tensor_parallel_size=info["tensor_parallel_size"],
+            eos_token_ids=list(info["eos_token_ids"]))
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait up to timeout_s for those in flight to finish; True when
+        none is left."""
+        self.accepting = False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return not self._in_flight

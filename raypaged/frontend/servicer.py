@@ -1,0 +1,41 @@
+"""The grpc.aio servicer: GenerationService behind raypaged.v1.RaypagedService, errors as statuses."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from raypaged.frontend.errors import status_for
+from raypaged.frontend.service import GenerationService
+from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.proto.v1 import raypaged_pb2_grpc as pb_grpc
+
+
+class RaypagedServicer(pb_grpc.RaypagedServiceServicer):
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self.service.generate(request):
+                yield response
+        except Exception as e:  # CancelledError (a cancelled call) is not an Exception: it passes
+            await self._abort(context, e)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            return await self.service.abort(request)
+        except Exception as e:
+            await self._abort(context, e)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return self.service.model_info()
+
+    async def _abort(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
+        code, message = status_for(error)
+        if self.service.metrics is not None:
+            self.service.metrics.record_error(code.name)
+        await context.abort(code, message)

@@ -1,0 +1,86 @@
+"""A real raypaged gRPC server for tests: engine actor + FrontendServer on an event loop of their
+own in a background thread, so tests talk to it with real gRPC clients (blocking or asyncio) and
+read the engine's block counts through Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raypaged.config import EngineConfig
+from raypaged.frontend.server import FrontendServer, ServerConfig
+
+
+def init_ray() -> None:
+    """One small local Ray per test module (module-scoped fixtures call this)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+def alive_actors() -> list[dict]:
+    # ray.util.state needs the dashboard, which the tests leave off; the GCS table does not.
+    from ray._private import state
+
+    return [a for a in state.actors().values() if a.get("State") == "ALIVE"]
+
+
+def live_placement_groups() -> list[dict]:
+    return [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
+
+
+class ServerThread:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="server-loop", daemon=True)
+        self._thread.start()
+        config = server_config or ServerConfig(port=0, metrics_port=0, stats_interval_s=0.1)
+        self.tokenizer = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
+
+        async def start() -> FrontendServer:
+            from raypaged.engine.client import AsyncEngineClient
+
+            engine = await AsyncEngineClient.start(engine_config)
+            server = FrontendServer(engine, self.tokenizer, config, owns_engine=True)
+            await server.start()
+            return server
+
+        self.server: FrontendServer = self.call(start(), timeout=300)
+        self.address = self.server.address
+        self.engine = self.server.engine
+        self.num_blocks: int = self.engine.model_info["num_blocks"]
+
+    def call(self, coroutine, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def stats(self):
+        return ray.get(self.engine.actor.stats.remote())["scheduler"]
+
+    def wait_until(self, condition: Callable[[Any], bool], timeout: float = 10.0, what: str = "") -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if condition(stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what or condition}: {stats}")
+            time.sleep(0.02)
+
+    def wait_pool_whole(self, timeout: float = 10.0):
+        """No request held, every block back in the pool."""
+        return self.wait_until(
+            lambda s: s.num_running == 0 and s.num_waiting == 0
+            and s.kv_cache.num_free_blocks == self.num_blocks, timeout, "the pool to be whole")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        try:
+            self.call(self.server.shutdown(grace_s), timeout=grace_s + 60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
