@@ -413,3 +413,35 @@ def test_stats():
     stats = h.scheduler.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (2, 0, 0)
     assert stats.kv_cache.filled_slots == 8 and stats.kv_cache.allocated_slots == 12
+
+
+def test_reset_workers_recomputes_everything_in_order_on_a_fresh_worker():
+    """After the worker group is replaced, every running request is recomputed from prompt +
+    outputs (no token lost or repeated), the prefix cache (whose blocks died with the old
+    workers) is empty, and the new worker is never told to drop what it never held."""
+    h = Harness(num_blocks=32)
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]
+    for i in range(3):
+        h.add(f"r{i}", shared + [20 + i], max_tokens=6, ignore_eos=True)
+    tokens = defaultdict(list)
+    for _ in range(3):
+        for rid, out in h.step()[1].items():
+            tokens[rid].extend(out.new_token_ids)
+    assert h.scheduler.kv_cache_manager.block_pool.num_cached_blocks > 0
+    h.scheduler.reset_workers()
+    assert [r.request_id for r in h.scheduler.waiting] == ["r0", "r1", "r2"]
+    assert all(r.num_computed_tokens == 0 for r in h.scheduler.waiting)
+    kv = h.scheduler.kv_cache_manager
+    assert kv.block_pool.num_cached_blocks == 0 and kv.num_free_blocks == kv.num_blocks
+    h.worker = ShadowWorker(32, 4, h._sample)  # the new group holds nothing
+    out, outputs = h.step()
+    assert not out.finished_req_ids and not out.preempted_req_ids
+    assert [new.token_ids[-len(tokens[new.req_id]):] for new in out.scheduled_new_reqs] == \
+        [tokens[f"r{i}"] for i in range(3)]
+    for rid, o in outputs.items():
+        tokens[rid].extend(o.new_token_ids)
+    while h.scheduler.has_unfinished_requests():
+        for rid, o in h.step()[1].items():
+            tokens[rid].extend(o.new_token_ids)
+    check_pool_whole(h.scheduler)
+    assert {rid: len(t) for rid, t in tokens.items()} == {"r0": 6, "r1": 6, "r2": 6}
