@@ -13,7 +13,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from raypaged.core.errors import UnknownRequestError
+from raypaged.core.errors import InvalidRequestError, UnknownRequestError
 from raypaged.engine.client import AsyncEngineClient, EngineDeadError
 from raypaged.frontend.errors import ServerShuttingDownError
 from raypaged.frontend.metrics import FrontendMetrics, RequestTracker
@@ -51,6 +51,8 @@ class GenerationService:
         prepared = prepare_request(message, self.tokenizer, self.model, self.limits)
         request = prepared.request
         request_id = request.group_id
+        if request_id in self._in_flight:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         processor = RequestOutputProcessor(request, self.tokenizer, prepared.skip_special_tokens)
         tracker = None
         if self.metrics is not None:
