@@ -101,6 +101,7 @@ class FrontendServer:
             self._start_metrics_http(config.host, config.metrics_port)
         await server.start()
         self._server = server
+        await self._poll_engine_once()  # the first scrape already shows the engine
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, SERVING)
         self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
@@ -119,12 +120,15 @@ class FrontendServer:
                 logger.error("the engine is gone: health is NOT_SERVING")
                 await self._set_health(NOT_SERVING)
                 return
-            try:
-                stats = await self.engine.actor.stats.remote()
-                self.metrics.record_engine_stats(stats["scheduler"])
-            except Exception:  # the pump notices a dead engine; here a missed poll is all
-                logger.debug("engine stats poll failed", exc_info=True)
+            await self._poll_engine_once()
             await asyncio.sleep(self.config.stats_interval_s)
+
+    async def _poll_engine_once(self) -> None:
+        try:
+            stats = await self.engine.actor.stats.remote()
+            self.metrics.record_engine_stats(stats["scheduler"])
+        except Exception:  # the pump notices a dead engine; here a missed poll is all
+            logger.debug("engine stats poll failed", exc_info=True)
 
     async def _set_health(self, status: int) -> None:
         await self.health.set("", status)
