@@ -81,6 +81,7 @@ class RayExecutor:
         self.use_gpu = self._use_gpu()
         self.workers: list[Any] = []
         self.placement_group = None
+        self._owns_placement_group = False
         self.compiled_dag = None
         self._start_workers()
 
@@ -96,9 +97,7 @@ class RayExecutor:
     def _start_workers(self) -> None:
         cpus = self.config.ray_cpus_per_worker or (1.0 if self.use_gpu else 0.25)
         bundle = {"CPU": cpus, "GPU": 1} if self.use_gpu else {"CPU": cpus}
-        self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
-                                               strategy="PACK")
-        ray.get(self.placement_group.ready(), timeout=self.config.ray_start_timeout_s)
+        first_bundle = self._place_workers(bundle)
         actor_class = ray.remote(RayWorkerActor)
         config = self.config
         if not self.use_gpu and config.device == "auto":
@@ -110,7 +109,7 @@ class RayExecutor:
             actor_class.options(
                 num_cpus=cpus, num_gpus=1 if self.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank),
+                    self.placement_group, placement_group_bundle_index=first_bundle + rank),
             ).remote(config, self.model_dir, rank, self.world_size)
             for rank in range(self.world_size)
         ]
@@ -118,6 +117,31 @@ class RayExecutor:
         # All ranks join torch.distributed together: each call blocks until every rank arrives.
         self._call_all("init_worker", f"tcp://{host}:{port}")
         self.compiled_dag = self._compile() if self.config.use_compiled_graph else None
+
+    def _place_workers(self, bundle: dict[str, float]) -> int:
+        """Sets self.placement_group; returns the bundle index of rank 0.
+
+        Inside a placement group already (a Ray Serve replica's, whose `placement_group_bundles`
+        reserve the engine's GPUs), the workers take its last world_size bundles, as vLLM does
+        under Serve: a second group would reserve the same GPUs twice. Otherwise the executor
+        makes (and later removes) a group of its own."""
+        current = ray.util.get_current_placement_group()
+        self._owns_placement_group = current is None
+        if current is None:
+            self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
+                                                   strategy="PACK")
+            ray.get(self.placement_group.ready(), timeout=self.config.ray_start_timeout_s)
+            return 0
+        specs = current.bundle_specs
+        first = len(specs) - self.world_size
+        short = [i for i in range(max(first, 0), len(specs))
+                 if any(specs[i].get(k, 0) < v for k, v in bundle.items())]
+        if first < 0 or short:
+            raise RuntimeError(
+                f"this process runs in a placement group whose last {self.world_size} bundles must "
+                f"each hold a worker ({bundle}); it has {specs}")
+        self.placement_group = current
+        return first
 
     def _compile(self):
         from ray.dag import InputNode, MultiOutputNode
@@ -176,6 +200,6 @@ class RayExecutor:
             ray.kill(worker, no_restart=True)
         self._wait_until_dead(self.workers)
         self.workers = []
-        if self.placement_group is not None:
+        if self.placement_group is not None and self._owns_placement_group:
             remove_placement_group(self.placement_group)
-            self.placement_group = None
+        self.placement_group = None

@@ -1,0 +1,71 @@
+"""`build_app`: the Serve application, from a Serve config's `args:` block or a dict.
+
+    # deploy/serve_demo.yaml
+    applications:
+      - name: raypaged
+        import_path: raypaged.serve:build_app
+        args: {model: null, num_replicas: 1}
+
+or in Python: `serve.run(build_app({"model": "/models/llama", "tensor_parallel_size": 2}))`.
+Serve's gRPC proxy also needs `grpc_options.grpc_servicer_functions: [GRPC_SERVICER_FUNCTION]`
+(serve.start(grpc_options=…) or the config's grpc_options), which build_app cannot set itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from raypaged.serve.args import ServeAppArgs
+from raypaged.serve.deployment import RaypagedDeployment
+from raypaged.serve.placement import replica_bundles, uses_gpu
+
+GRPC_SERVICER_FUNCTION = "raypaged.proto.v1.raypaged_pb2_grpc.add_RaypagedServiceServicer_to_server"
+
+
+def deployment_options(args: ServeAppArgs, cluster_gpus: float) -> dict[str, Any]:
+    """The deployment's options: replicas or autoscaling, and one placement group per replica."""
+    use_gpu = uses_gpu(args.engine, cluster_gpus)
+    options: dict[str, Any] = {
+        "name": args.deployment_name,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": args.replica_num_cpus},
+        "placement_group_bundles": replica_bundles(args.engine, args.replica_num_cpus, use_gpu),
+        # One node per replica: TP ranks talk over NVLink / shared memory, not the network.
+        "placement_group_strategy": "STRICT_PACK",
+        # Streams in flight get this long to finish when a replica is stopped (scale-down, update).
+        "graceful_shutdown_timeout_s": 30.0,
+        "health_check_period_s": 10.0,
+    }
+    if args.autoscaling is not None:
+        options["autoscaling_config"] = args.autoscaling.to_serve()
+    else:
+        options["num_replicas"] = args.num_replicas
+    return options
+
+
+def _cluster_gpus() -> float:
+    """The cluster's GPUs; before Ray is up (`serve run raypaged.serve:build_app` builds the app
+    first, then connects), this machine's."""
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0)
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def build_app(raw_args: dict[str, Any] | None = None) -> Application:
+    """Checks every argument here, where a mistake is a clear error at `serve run` / deploy
+    time rather than a replica that keeps failing to start."""
+    args = raw_args if isinstance(raw_args, ServeAppArgs) else ServeAppArgs.from_dict(raw_args)
+    cluster_gpus = _cluster_gpus()
+    use_gpu = uses_gpu(args.engine, cluster_gpus)
+    # Pin the device the bundles were sized for: a replica must never reach for a GPU its
+    # placement group did not reserve (or leave a reserved one idle).
+    args = dataclasses.replace(args, engine=dataclasses.replace(args.engine, device="cuda" if use_gpu else "cpu"))
+    deployment = serve.deployment(RaypagedDeployment).options(**deployment_options(args, cluster_gpus))
+    return deployment.bind(args)

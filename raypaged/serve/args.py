@@ -1,0 +1,103 @@
+"""What a Serve config's `args:` block (or build_app's dict) may say, checked before anything starts.
+
+Engine settings keep EngineConfig's names (vLLM's), so a Serve config reads like `raypaged launch`
+flags with underscores; deployment settings (replicas, autoscaling, resources) sit beside them.
+An unknown key is an error, not silently ignored: a typo in a YAML file must not go unnoticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from raypaged.config import EngineConfig
+from raypaged.core.errors import InvalidRequestError
+from raypaged.frontend.validation import RequestLimits
+
+# Bounds the engine's waiting queue (a full one answers 429 / RESOURCE_EXHAUSTED), as launch does.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass
+class AutoscalingArgs:
+    """Replicas scale on their queue: Serve's ongoing requests per replica (queued at the replica
+    plus being generated), averaged over look_back_period_s, aimed at target_ongoing_requests."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 16.0
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 300.0
+    look_back_period_s: float = 10.0
+
+    def to_serve(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ServeAppArgs:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None  # None: the model directory's name ("demo" for the demo)
+    deployment_name: str = "raypaged"
+    num_replicas: int | None = 1  # None with autoscaling set
+    autoscaling: AutoscalingArgs | None = None
+    # Requests one replica accepts at once before Serve queues them at the proxy; must exceed
+    # the autoscaling target or the target can never be reached.
+    max_ongoing_requests: int = 256
+    replica_num_cpus: float = 1.0  # the replica actor's own CPU (HTTP / gRPC handling)
+    stats_interval_s: float = 1.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "ServeAppArgs":
+        raw = dict(raw or {})
+        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        own_names = {f.name for f in dataclasses.fields(cls)} - {"engine", "autoscaling", "limits"}
+        limit_names = {f.name for f in dataclasses.fields(RequestLimits)}
+        engine_values = {k: raw.pop(k) for k in list(raw) if k in engine_names}
+        engine_values.setdefault("max_waiting_requests", DEFAULT_MAX_WAITING_REQUESTS)
+        own = {k: raw.pop(k) for k in list(raw) if k in own_names}
+        autoscaling = raw.pop("autoscaling", None)
+        limits = raw.pop("limits", None) or {}
+        if raw:
+            raise InvalidRequestError(
+                f"unknown raypaged.serve argument(s) {sorted(raw)}; known: engine settings "
+                f"{sorted(engine_names)}, and {sorted(own_names | {'autoscaling', 'limits'})}")
+        unknown_limits = set(limits) - limit_names
+        if unknown_limits:
+            raise InvalidRequestError(f"unknown limits {sorted(unknown_limits)}; known: {sorted(limit_names)}")
+        args = cls(engine=EngineConfig(**engine_values), limits=RequestLimits(**limits), **own)
+        if autoscaling is not None:
+            if not isinstance(autoscaling, dict):
+                raise InvalidRequestError(f"autoscaling must be a mapping, got {autoscaling!r}")
+            known = {f.name for f in dataclasses.fields(AutoscalingArgs)}
+            if set(autoscaling) - known:
+                raise InvalidRequestError(
+                    f"unknown autoscaling setting(s) {sorted(set(autoscaling) - known)}; known: {sorted(known)}")
+            args.autoscaling = AutoscalingArgs(**autoscaling)
+            args.num_replicas = None
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        self.engine.validate()
+        checks = [
+            (self.num_replicas is None or self.num_replicas >= 1, "num_replicas must be >= 1"),
+            (self.max_ongoing_requests >= 1, "max_ongoing_requests must be >= 1"),
+            (self.replica_num_cpus >= 0, "replica_num_cpus must be >= 0"),
+            (self.stats_interval_s > 0, "stats_interval_s must be > 0"),
+        ]
+        scaling = self.autoscaling
+        if scaling is not None:
+            checks += [
+                (0 <= scaling.min_replicas <= scaling.max_replicas and scaling.max_replicas >= 1,
+                 f"autoscaling needs 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
+                 f"{scaling.min_replicas} and {scaling.max_replicas}"),
+                (0 < scaling.target_ongoing_requests < self.max_ongoing_requests,
+                 f"autoscaling.target_ongoing_requests must be in (0, max_ongoing_requests = "
+                 f"{self.max_ongoing_requests}), got {scaling.target_ongoing_requests}"),
+            ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)

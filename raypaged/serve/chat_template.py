@@ -1,0 +1,39 @@
+"""Chat messages → prompt token ids, through the tokenizer's own chat template when it has one.
+
+Tokenizers without a template (the built-in demo model's, the test checkpoints') get
+DEFAULT_CHAT_TEMPLATE: one `role: content` line per message, then `assistant:` to prompt the
+reply. It is plain on purpose: a base model has no chat format to match, and a readable
+transcript is the least surprising thing to continue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raypaged.core.errors import InvalidRequestError
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def chat_prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]], max_chars: int) -> list[int]:
+    """max_chars bounds the rendered text before it is tokenized (a prompt that long could not
+    fit the context anyway, and tokenizing megabytes would stall the replica)."""
+    total = sum(len(m["content"]) for m in messages)
+    if total > max_chars:
+        raise InvalidRequestError(
+            f"the messages have {total} characters; at most {max_chars} can fit this model's context")
+    own_template = getattr(tokenizer, "chat_template", None)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=own_template or DEFAULT_CHAT_TEMPLATE, tokenize=False,
+            add_generation_prompt=True)
+    except Exception as e:  # templates raise on what they do not accept (e.g. role order)
+        raise InvalidRequestError(f"the chat template cannot render these messages: {e}") from None
+    # A model's own template writes its special tokens (BOS) itself; the default one does not,
+    # so those prompts get them as a plain completion prompt would.
+    return tokenizer.encode(text, add_special_tokens=not own_template)

@@ -1,0 +1,223 @@
+"""The Ray Serve deployment: one replica = one engine, served over OpenAI HTTP and raypaged.v1 gRPC.
+
+The replica starts its engine actor (and, at tensor_parallel_size > 1, the TP workers) inside
+its own placement group (serve/placement.py), then wraps it in the gRPC frontend's
+GenerationService: validation, detokenization, stop strings and metrics are the same code on
+both transports. HTTP routes live on `api` (FastAPI, mounted with serve.ingress); gRPC calls
+arrive through Serve's gRPC proxy, which calls the method named like the RPC (`Generate`, …).
+
+A request whose client goes away (HTTP disconnect, gRPC cancel) is cancelled by Serve; leaving
+GenerationService.generate then aborts it in the engine, which frees its KV blocks.
+"""
+
+# No `from __future__ import annotations` here: serve.ingress rebuilds the route methods, and
+# FastAPI must see the body models as real classes, not strings, to read them from the body.
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import generate_latest
+from ray import serve
+
+from raypaged.engine.client import AsyncEngineClient
+from raypaged.frontend.metrics import FrontendMetrics
+from raypaged.frontend.service import GenerationService
+from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.args import ServeAppArgs
+from raypaged.serve.chat_template import chat_prompt_token_ids
+from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
+from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from raypaged.serve.openai_responses import ResponseBuilder
+from raypaged.serve.ray_metrics import RayMetricsMirror
+
+logger = logging.getLogger(__name__)
+
+api = FastAPI(title="raypaged", description="OpenAI-compatible API of a raypaged replica")
+
+
+@api.exception_handler(OpenAIError)
+async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": …}.
+    return await _openai_error(request, from_validation_errors(list(error.errors())))
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+@serve.ingress(api)
+class RaypagedDeployment:
+    async def __init__(self, args: ServeAppArgs) -> None:
+        from transformers import AutoTokenizer
+
+        config = args.engine
+        self.args = args
+        self.engine = await AsyncEngineClient.start(config)
+        info = self.engine.model_info
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or info["model_dir"])
+        model_name = args.served_model_name or ("demo" if config.model is None else None)
+        self.service = GenerationService(self.engine, tokenizer, model_name=model_name, limits=args.limits)
+        self.replica_id = serve.get_replica_context().replica_tag
+        self._headers = {"x-raypaged-replica": self.replica_id}  # which replica answered
+        self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
+        RayMetricsMirror().attach(self.metrics)
+        self.service.metrics = self.metrics
+        self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
+        logger.info("raypaged replica %s ready: %s (%d KV blocks of %d, tp %d)", self.replica_id,
+                    self.service.model_name, info["num_blocks"], info["block_size"],
+                    info["tensor_parallel_size"])
+
+    @property
+    def model_name(self) -> str:
+        return self.service.model_name
+
+    # ---- OpenAI HTTP ---------------------------------------------------------------------------
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        info = self.engine.model_info
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "raypaged",
+            "root": info["model_dir"], "max_model_len": info["max_model_len"]}]}
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        alive = self.engine.is_alive and self.service.accepting
+        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest) -> Any:
+        return await self._respond(body, chat=False, build=body.to_generate_request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        def build() -> pb.GenerateRequest:
+            max_chars = self.service.model.max_model_len * self.args.limits.max_prompt_chars_per_token
+            ids = chat_prompt_token_ids(self.service.tokenizer, body.message_dicts(), max_chars)
+            return body.to_generate_request(ids)
+
+        return await self._respond(body, chat=True, build=build)
+
+    async def _respond(self, body: _SamplingFields, *, chat: bool, build) -> Any:
+        if body.model is not None and body.model != self.model_name:
+            raise self._refused(model_not_found(body.model, self.model_name))
+        try:
+            message = build()
+        except Exception as e:
+            raise self._refused(e) from None
+        params = message.sampling_params
+        logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        builder = ResponseBuilder(chat=chat, request_id=message.request_id, model=self.model_name,
+                                  tokenizer=self.service.tokenizer, n=params.n if params.HasField("n") else 1,
+                                  logprobs=logprobs, include_usage=body.include_usage)
+        stream = self.service.generate(message)
+        # Pull the first message before answering: a refused request (validation, full queue,
+        # engine gone) then gets its HTTP status, not a 200 stream that carries an error.
+        try:
+            first = await anext(stream)
+        except Exception as e:
+            await stream.aclose()
+            raise self._refused(e) from None
+        if body.stream:
+            return StreamingResponse(self._event_stream(builder, first, stream),
+                                     media_type="text/event-stream", headers=self._headers)
+        async with contextlib.aclosing(stream):
+            builder.add(first)
+            try:
+                async for message in stream:
+                    builder.add(message)
+            except Exception as e:
+                raise self._refused(e) from None
+        return JSONResponse(builder.response(), headers=self._headers)
+
+    async def _event_stream(self, builder: ResponseBuilder, first: pb.GenerateResponse,
+                            stream: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[str]:
+        async with contextlib.aclosing(stream):
+            try:
+                for chunk in builder.chunks(first):
+                    yield _sse(chunk)
+                async for message in stream:
+                    for chunk in builder.chunks(message):
+                        yield _sse(chunk)
+            except Exception as e:  # after the 200 is sent: the error travels as an event
+                yield _sse(self._refused(e).body())
+        yield _sse("[DONE]")
+
+    def _refused(self, error: BaseException) -> OpenAIError:
+        refusal = OpenAIError.from_exception(error)
+        self.metrics.record_error(refusal.grpc_code.name)
+        return refusal
+
+    # ---- raypaged.v1 through Serve's gRPC proxy ------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest,
+                       grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self.service.generate(request):
+                yield response
+        except Exception as e:
+            self._grpc_refused(grpc_context, e)
+            raise
+
+    async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
+        """Reaches one replica: a request streaming on another answers NOT_FOUND here."""
+        try:
+            return await self.service.abort(request)
+        except Exception as e:
+            self._grpc_refused(grpc_context, e)
+            raise
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:
+        return self.service.model_info()
+
+    def _grpc_refused(self, grpc_context, error: Exception) -> None:
+        """Serve's proxy answers with the code set on the context when the method then raises."""
+        refusal = self._refused(error)
+        if grpc_context is not None:
+            grpc_context.set_code(refusal.grpc_code)
+            grpc_context.set_details(refusal.message)
+
+    # ---- operations: Serve calls, handle calls -------------------------------------------------
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose engine is gone."""
+        if not self.engine.is_alive:
+            raise RuntimeError("the engine is gone")
+
+    async def engine_stats(self) -> dict[str, Any]:
+        stats = await self.engine.actor.stats.remote()
+        return {"replica": self.replica_id, "num_running": stats["num_running"],
+                "num_waiting": stats["num_waiting"], "num_blocks": stats["scheduler"].kv_cache.num_blocks,
+                "num_free_blocks": stats["scheduler"].kv_cache.num_free_blocks,
+                "in_flight": self.service.num_in_flight}
+
+    def metrics_text(self) -> str:
+        """This replica's metrics in Prometheus' text format (Prometheus itself scrapes Ray's
+        export of them: serve/ray_metrics.py)."""
+        return generate_latest(self.metrics.registry).decode()
+
+    async def _poll_engine(self) -> None:
+        while self.engine.is_alive:
+            try:
+                stats = await self.engine.actor.stats.remote()
+                self.metrics.record_engine_stats(stats["scheduler"])
+            except Exception:  # the pump notices a dead engine; here a missed poll is all
+                logger.debug("engine stats poll failed", exc_info=True)
+            await asyncio.sleep(self.args.stats_interval_s)
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: streams in flight were drained by Serve first."""
+        self._poll_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._poll_task
+        await self.engine.shutdown()
+

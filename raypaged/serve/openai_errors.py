@@ -1,0 +1,70 @@
+"""Exceptions → OpenAI-shaped error bodies and HTTP statuses.
+
+The classification is the gRPC frontend's (frontend/errors.py: status_for), so both transports
+refuse the same requests for the same reasons; only the codes differ:
+INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from raypaged.frontend.errors import status_for
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    500: "server_error",
+}
+
+
+@dataclass
+class OpenAIError(Exception):
+    """An error answered as `{"error": {...}}` with an HTTP status."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_exception(cls, error: BaseException) -> "OpenAIError":
+        if isinstance(error, OpenAIError):
+            return error
+        code, message = status_for(error)
+        return cls(HTTP_STATUS.get(code, 500), message, grpc_code=code)
+
+
+def model_not_found(requested: str, served: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
+                       param="model", code="model_not_found", grpc_code=grpc.StatusCode.NOT_FOUND)
+
+
+def from_validation_errors(errors: list[dict[str, Any]]) -> OpenAIError:
+    """FastAPI's body validation errors (wrong types, missing fields, bad JSON) as one 400."""
+    parts, param = [], None
+    for error in errors[:5]:
+        location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        param = param or location or None
+        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return OpenAIError(400, "; ".join(parts) + more, param=param)

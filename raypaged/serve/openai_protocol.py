@@ -1,0 +1,167 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) and their raypaged.v1 message.
+
+Field names and defaults are OpenAI's, plus vLLM's extensions (top_k, min_p, repetition_penalty,
+min_tokens, stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_salt). Unknown fields
+are ignored as OpenAI's server ignores them, but features raypaged does not implement (echo,
+suffix, logit_bias, best_of > n, tools, structured output) are refused rather than silently
+dropped. Range checks on sampling values stay in one place: frontend/validation.py, reached
+through the GenerateRequest built here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from raypaged.core.errors import InvalidRequestError
+from raypaged.proto.v1 import raypaged_pb2 as pb
+
+# The wire limits of raypaged.v1's fields: a larger value is a 400, not an overflow.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenIds = list[Int32]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: Int32 | None = None
+    n: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions.
+    top_k: Int32 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int32 | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    priority: Int32 = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported")
+
+    def _generate_request(self, max_tokens: int | None, logprobs: int | None) -> pb.GenerateRequest:
+        self._refuse_unsupported()
+        params = pb.SamplingParams()
+        values = dict(n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                      seed=self.seed, top_k=self.top_k, min_p=self.min_p,
+                      repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                      logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+        for name, value in values.items():
+            if value is not None:
+                setattr(params, name, value)
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        params.stop.extend(stop)
+        params.stop_token_ids.extend(self.stop_token_ids or [])
+        params.ignore_eos = self.ignore_eos
+        return pb.GenerateRequest(request_id=self.request_id or uuid.uuid4().hex,
+                                  sampling_params=params, priority=self.priority,
+                                  cache_salt=self.cache_salt or "")
+
+
+class CompletionRequest(_SamplingFields):
+    # A text, token ids, or a batch of one of either (what the openai client sends for one prompt).
+    prompt: Union[str, TokenIds, list[str], list[TokenIds]]
+    logprobs: Int32 | None = None  # top logprobs per token, 0..20
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Int32 | None = None
+
+    def to_generate_request(self) -> pb.GenerateRequest:
+        if self.echo:
+            raise InvalidRequestError("echo is not supported")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise InvalidRequestError("best_of is not supported (other than best_of == n)")
+        message = self._generate_request(self.max_tokens, self.logprobs)
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequestError(
+                    f"one prompt per request is supported, got a batch of {len(prompt)}: send "
+                    "them as separate requests (they are batched in the engine all the same)")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            message.prompt = prompt
+        else:
+            message.prompt_token_ids.extend(prompt)
+        return message
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[Any], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Content parts other than text (images, audio) cannot reach a text-only model."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for i, part in enumerate(self.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"content part {i} of a {self.role} message is of type {kind!r}: only text "
+                    "parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int32 | None = None
+    logprobs: bool = False
+    top_logprobs: Int32 | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_generate_request(self, prompt_token_ids: list[int]) -> pb.GenerateRequest:
+        if self.tools or self.functions:
+            raise InvalidRequestError("tools and function calling are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice is not supported")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidRequestError("response_format other than text is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        message = self._generate_request(max_tokens, logprobs)
+        message.prompt_token_ids.extend(prompt_token_ids)
+        return message
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
