@@ -149,8 +149,9 @@ class FrontendServer:
             logger.warning("%d of %d streams still running after the %.1f s grace period: cancelling",
                            self.service.num_in_flight, in_flight, grace)
         if self._server is not None:
-            # Cancelled handlers abort their requests in the engine; give them a moment.
-            await self._server.stop(grace=1.0)
+            # The grace period is over: what is left is cancelled now (each cancelled handler
+            # aborts its request in the engine), and health watchers end.
+            await self._server.stop(grace=None)
         if self._poll_task is not None:
             self._poll_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
