@@ -15,8 +15,6 @@ Writes benchmarks/results/engine_<shape>_<device>.json.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import random
 import statistics
 import sys
@@ -27,27 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, environment, write_json  # noqa: E402
+from common import (SHAPES, copy_bandwidth, environment, hf_random_model,  # noqa: E402
+                    release_memory, sync, write_config, write_json)
 
 from raypaged import LLM, SamplingParams  # noqa: E402
-
-SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-               max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
-                 max_position_embeddings=2048, rope_theta=10000.0),
-}
-
-
-def write_config(shape: str, dtype: str, directory: Path) -> Path:
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                  torch_dtype=dtype, **SHAPES[shape])
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
 
 def weight_bytes(shape: str, element: int) -> int:
     s = SHAPES[shape]
@@ -67,11 +48,6 @@ def kv_bytes_per_token(shape: str, element: int) -> int:
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(count)]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
@@ -113,13 +89,7 @@ def throughput(llm: LLM, count: int, prompt_len: int, output_len: int, vocab: in
 def hf_throughput(model_dir: Path, count: int, prompt_len: int, output_len: int, vocab: int,
                   dtype: torch.dtype, device: torch.device) -> dict:
     """transformers `generate`, static batch of the same requests (all one length: no padding)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval()
-    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    model = hf_random_model(model_dir, dtype, device)
     ids = torch.tensor([p["prompt_token_ids"] for p in prompts(count, prompt_len, vocab, seed=7)],
                        device=device)
     kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
@@ -132,9 +102,7 @@ def hf_throughput(model_dir: Path, count: int, prompt_len: int, output_len: int,
         elapsed = time.perf_counter() - start
     generated = (out.shape[1] - prompt_len) * count
     del model, out
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return {"requests": count, "output_tokens": generated, "seconds": elapsed,
             "output_tokens_per_s": generated / elapsed}
 
@@ -202,9 +170,7 @@ def main() -> int:
                 result["raypaged"]["executor"] = executor
             llm.shutdown()
             del llm
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(device)
         result["decode"] = rows
 
     ours = result["raypaged"]["output_tokens_per_s"]

@@ -1,7 +1,9 @@
-"""What every benchmark shares: the environment record, the copy-bandwidth ceiling, JSON output."""
+"""What every benchmark shares: the environment record, the copy-bandwidth ceiling, JSON output,
+the random-weights Llama shapes, and transformers' model built on those shapes."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -11,6 +13,52 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# Llama shapes run with random weights (load_format "dummy"): no checkpoint to download.
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0),
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                 max_position_embeddings=2048, rope_theta=10000.0),
+}
+
+
+def write_config(shape: str, dtype: str, directory: Path) -> Path:
+    """A config.json of `shape` in `directory`, which then loads with load_format="dummy"."""
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                  torch_dtype=dtype, **SHAPES[shape])
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_random_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
+    """transformers' own model of the config in `model_dir`, random weights, EOS cleared so that
+    generate always runs to max_new_tokens (as the engine's ignore_eos)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    return model
+
+
+def release_memory(device: torch.device) -> None:
+    """Give back what dropped models and engines held. The engine freezes the collector
+    (gc.freeze) after start-up, so cycles made before that are only found once unfrozen."""
+    gc.unfreeze()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def environment() -> dict:

@@ -1,0 +1,356 @@
+"""Offline throughput on ShareGPT-like requests, three ways in one run, and where the KV memory
+goes while the engine serves them (issue 8's "Offline throughput" and "Memory" benchmarks).
+
+    python benchmarks/bench_throughput.py       # CPU-sized: a tiny random Llama, 32 requests
+    bash scripts/gpu_perf.sh                    # the H200 run: 8B-shaped, bf16, 1,000 requests
+
+The requests come from the simulator's seeded ShareGPT-like trace (prompt ≈ 160 and output ≈ 340
+tokens on average, lognormal long tails, clipped to max_model_len), all there at the start; each
+generates exactly its output length (ignore_eos). They run through
+  - raypaged, paged KV cache (blocks on demand);
+  - raypaged with kv_cache_mode "contiguous": every request reserves max_model_len slots when it
+    starts — the allocator PagedAttention replaces — on a pool of the same number of blocks;
+  - transformers `generate` with static batching: consecutive requests in batches of
+    --hf-batch-size, prompts left-padded, each batch generating until its longest request is done.
+    Only the tokens each request asked for count. On the first --hf-requests requests; with
+    --hf-max-time a batch stops after that many seconds (what it produced by then counts, which
+    favours transformers: the steps it skips are those where most rows are already done).
+Every --stats-every engine steps the scheduler's KVCacheStats are sampled: pool usage, filled and
+allocated slots, prefix-sharing savings. Writes benchmarks/results/throughput_<shape>_<device>.json
+and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (SHAPES, environment, hf_random_model, release_memory, sync,  # noqa: E402
+                    write_config, write_json)
+
+from raypaged import LLM, SamplingParams  # noqa: E402
+from raypaged.core.request import Request  # noqa: E402
+from raypaged.simulator.traces import make_trace  # noqa: E402
+
+MODES = ("paged", "contiguous")
+FIRST_ID = 3  # ids 0-2 are unk / bos / eos in the benchmark configs
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def sharegpt_requests(count: int, max_model_len: int, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """The simulator's ShareGPT-like trace, its token ids folded into this model's vocabulary."""
+    trace = make_trace("sharegpt", count, max_model_len, seed=seed)
+    span = vocab_size - FIRST_ID
+    return [BenchRequest([FIRST_ID + t % span for t in r.prompt_token_ids], r.output_len)
+            for r in trace.requests]
+
+
+@dataclass
+class KVSample:
+    seconds: float  # since the requests were submitted
+    step: int
+    running: int
+    waiting: int
+    used_blocks: int
+    allocated_slots: int
+    filled_slots: int
+    shared_saved_slots: int
+
+
+def sample_kv(engine, seconds: float, step: int) -> KVSample:
+    stats = engine.scheduler.stats()
+    kv = stats.kv_cache
+    return KVSample(seconds, step, stats.num_running, stats.num_waiting, kv.num_used_blocks,
+                    kv.allocated_slots, kv.filled_slots, kv.shared_saved_slots)
+
+
+def memory_summary(samples: list[KVSample], pool_slots: int, block_size: int) -> dict:
+    """Averages over the sampled steps (ratios of sums). "While waiting": only the steps where
+    some request waits for memory or a seat, i.e. where the allocator is what limits."""
+
+    def averages(chosen: list[KVSample]) -> dict:
+        if not chosen:
+            return {}
+        allocated = sum(s.allocated_slots for s in chosen)
+        filled = sum(s.filled_slots for s in chosen)
+        running = sum(s.running for s in chosen)
+        pool = pool_slots * len(chosen)
+        return {
+            "steps_sampled": len(chosen),
+            "mean_running": running / len(chosen),
+            "pool_usage": sum(s.used_blocks for s in chosen) * block_size / pool,
+            "pool_token_states": filled / pool,  # the PagedAttention paper's fig. 2 measure
+            "kv_utilization": filled / allocated if allocated else 1.0,  # filled / allocated
+            "waste_share_of_pool": (allocated - filled) / pool,
+            "unfilled_slots_per_running_request": (allocated - filled) / running if running else 0.0,
+            "mean_shared_saved_slots": sum(s.shared_saved_slots for s in chosen) / len(chosen),
+        }
+
+    return {"all_steps": averages(samples),
+            "while_waiting": averages([s for s in samples if s.waiting]),
+            "peak_running": max((s.running for s in samples), default=0),
+            "block_size": block_size}
+
+
+def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device: torch.device) -> dict:
+    """Submit every request at once, step the engine until all are done. Timed from the first
+    submission to the last token."""
+    engine = llm.engine
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids[:32]} for r in requests[:2]], warm)
+    expected = sum(r.output_len for r in requests)
+    samples: list[KVSample] = []
+    generated = steps = 0
+    preemptions_before = engine.scheduler.num_preemptions
+    sync(device)
+    start = time.perf_counter()
+    for i, r in enumerate(requests):
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(Request(f"bench-{i}", list(r.prompt_token_ids), params))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(f"request {out.req_id} failed: {out.error}")
+            generated += len(out.new_token_ids)
+        steps += 1
+        if steps % stats_every == 0:
+            samples.append(sample_kv(engine, time.perf_counter() - start, steps))
+    elapsed = time.perf_counter() - start
+    if generated != expected:
+        raise RuntimeError(f"generated {generated} tokens, the requests asked for {expected}")
+    config = engine.config
+    return {
+        "requests": len(requests), "output_tokens": generated, "seconds": elapsed,
+        "output_tokens_per_s": generated / elapsed, "engine_steps": steps,
+        "preemptions": engine.scheduler.num_preemptions - preemptions_before,
+        "num_kv_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
+        "memory": memory_summary(samples, engine.num_blocks * config.block_size, config.block_size),
+        "samples": [asdict(s) for s in samples],
+    }
+
+
+def hf_static_batching(model_dir: Path, requests: list[BenchRequest], batch_size: int,
+                       max_time: float | None, dtype: torch.dtype, device: torch.device) -> dict:
+    """transformers `generate` over consecutive batches, prompts left-padded, each batch running
+    to its longest request's output length. A request's tokens past its own length are padding
+    work and are not counted."""
+    model = hf_random_model(model_dir, dtype, device)
+    pad = 0
+    batches = []
+    with torch.inference_mode():
+        warm = torch.full((2, 8), FIRST_ID, device=device)
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4,
+                       do_sample=False, pad_token_id=pad)
+        for first in range(0, len(requests), batch_size):
+            batch = requests[first:first + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, r in enumerate(batch):
+                ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[row, width - len(r.prompt_token_ids):] = 1
+            steps_needed = max(r.output_len for r in batch)
+            sync(device)
+            start = time.perf_counter()
+            out = model.generate(ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=steps_needed, do_sample=False, pad_token_id=pad,
+                                 max_time=max_time)
+            sync(device)
+            seconds = time.perf_counter() - start
+            steps_done = out.shape[1] - width
+            batches.append({
+                "requests": len(batch), "prompt_width": width, "steps_needed": steps_needed,
+                "steps_done": steps_done, "seconds": seconds,
+                "output_tokens": sum(min(r.output_len, steps_done) for r in batch),
+                "asked_tokens": sum(r.output_len for r in batch),
+                "computed_rows_x_steps": len(batch) * steps_done,
+            })
+            del out
+    del model
+    release_memory(device)
+    tokens = sum(b["output_tokens"] for b in batches)
+    seconds = sum(b["seconds"] for b in batches)
+    # Finishing a cut batch at its measured step rate: a floor on the time it would take, since
+    # steps slow down as the cache grows. Still favours transformers.
+    full_seconds = sum(b["seconds"] * b["steps_needed"] / max(1, b["steps_done"]) for b in batches)
+    asked = sum(b["asked_tokens"] for b in batches)
+    return {
+        "requests": len(requests), "batch_size": batch_size, "max_time_per_batch_s": max_time,
+        "output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
+        "truncated": any(b["steps_done"] < b["steps_needed"] for b in batches),
+        "projected_uncut_output_tokens_per_s": asked / full_seconds,
+        "padding_share_of_rows": 1 - tokens / max(1, sum(b["computed_rows_x_steps"] for b in batches)),
+        "batches": batches,
+    }
+
+
+def save_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, pool, running) = plt.subplots(1, 3, figsize=(16, 4.5))
+    names, values = [], []
+    for mode in MODES:
+        names.append(f"raypaged\n{mode}")
+        values.append(result[mode]["output_tokens_per_s"])
+    if "hf_generate" in result:
+        names.append("transformers\nstatic batches")
+        values.append(result["hf_generate"]["output_tokens_per_s"])
+    bars.bar(names, values, color=["tab:blue", "tab:orange", "tab:gray"][:len(values)])
+    for x, v in enumerate(values):
+        bars.text(x, v, f"{v:,.0f}", ha="center", va="bottom")
+    bars.set_ylabel("output tokens / s")
+    bars.set_title(f"{result['num_requests']} ShareGPT-like requests ({result['env']['device']})")
+    for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
+        samples = result[mode]["samples"]
+        pool_slots = result[mode]["num_kv_blocks"] * result["block_size"]
+        t = [s["seconds"] for s in samples]
+        pool.plot(t, [s["allocated_slots"] / pool_slots for s in samples], color=color,
+                  label=f"{mode}: held")
+        pool.plot(t, [s["filled_slots"] / pool_slots for s in samples], color=color,
+                  linestyle="--", label=f"{mode}: holding tokens")
+        running.plot(t, [s["running"] for s in samples], color=color, label=mode)
+    pool.set_xlabel("seconds")
+    pool.set_ylabel("share of the KV pool")
+    pool.set_title("KV pool over the run")
+    pool.legend(fontsize=8)
+    running.set_xlabel("seconds")
+    running.set_ylabel("running requests")
+    running.set_title("batch size over the run")
+    running.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the shape's max_position_embeddings; what a contiguous "
+                             "request reserves, and the cap on a trace request's length")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV pool size in blocks (default: profiled on CUDA, "
+                             "--kv-cache-memory on CPU); both modes get the same pool")
+    parser.add_argument("--kv-cache-memory", type=int, default=64 * 2**20,
+                        help="CPU: bytes of KV pool when --num-kv-blocks is not given")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--stats-every", type=int, default=4, help="sample KV stats every N steps")
+    parser.add_argument("--hf-requests", type=int, default=16, help="0: skip transformers")
+    parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--hf-max-time", type=float, default=None,
+                        help="seconds after which a transformers batch stops (none by default)")
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="torch threads on CPU (default 1: on a small shared machine more "
+                             "threads spin against each other and every figure gets noisy)")
+    parser.add_argument("--out", default=None, help="directory for the JSON and PNG")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes: a comma list of {', '.join(MODES)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(args.cpu_threads)
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    shape = SHAPES[args.shape]
+    max_model_len = args.max_model_len or shape["max_position_embeddings"]
+    requests = sharegpt_requests(args.num_requests, max_model_len, shape["vocab_size"], args.seed)
+    result = {
+        "env": environment(), "shape": args.shape, "dtype": dtype_name, "args": vars(args),
+        "num_requests": len(requests), "block_size": args.block_size,
+        "mean_prompt_len": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+        "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+        "max_total_len": max(len(r.prompt_token_ids) + r.output_len for r in requests),
+    }
+    print(f"{len(requests)} requests: prompt {result['mean_prompt_len']:.0f}, output "
+          f"{result['mean_output_len']:.0f} tokens on average, longest {result['max_total_len']}",
+          flush=True)
+    num_blocks = args.num_kv_blocks
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(args.shape, dtype_name, Path(tmp))
+        for mode in modes:
+            llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
+                      max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      num_gpu_blocks_override=num_blocks, kv_cache_memory_bytes=args.kv_cache_memory,
+                      kv_cache_mode=mode)
+            num_blocks = llm.engine.num_blocks  # the next mode gets exactly this pool
+            try:
+                result[mode] = run_engine(llm, requests, args.stats_every, device)
+            finally:
+                llm.shutdown()
+                del llm
+                release_memory(device)
+            mem = result[mode]["memory"]["all_steps"]
+            print(f"[{mode}] {result[mode]['output_tokens_per_s']:.0f} output tok/s in "
+                  f"{result[mode]['seconds']:.1f} s; {num_blocks} blocks; mean running "
+                  f"{mem['mean_running']:.1f}; KV utilization {mem['kv_utilization']:.1%}", flush=True)
+        if args.hf_requests > 0:
+            result["hf_generate"] = hf_static_batching(model_dir, requests[:args.hf_requests],
+                                                       args.hf_batch_size, args.hf_max_time, dtype, device)
+            print(f"[transformers] {result['hf_generate']['output_tokens_per_s']:.0f} output tok/s",
+                  flush=True)
+    print_table(result, modes)
+    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
+    out_dir = Path(args.out) if args.out else None
+    path = write_json(f"throughput_{args.shape}_{device_tag}", result, out_dir)
+    if set(MODES) <= set(modes):
+        save_plot(result, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def print_table(result: dict, modes: list[str]) -> None:
+    print("\n| what | figure |\n| --- | --- |")
+    for mode in modes:
+        r, mem = result[mode], result[mode]["memory"]["all_steps"]
+        print(f"| raypaged {mode} | {r['output_tokens_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
+              f"mean running {mem['mean_running']:.1f}, peak {result[mode]['memory']['peak_running']}) |")
+        print(f"| KV memory, {mode} | utilization (filled/held) {mem['kv_utilization']:.1%}; "
+              f"pool holding tokens {mem['pool_token_states']:.1%}; held but empty "
+              f"{mem['waste_share_of_pool']:.1%} of the pool, "
+              f"{mem['unfilled_slots_per_running_request']:.1f} slots per request |")
+    if "paged" in modes and "contiguous" in modes:
+        ratio = result["paged"]["output_tokens_per_s"] / result["contiguous"]["output_tokens_per_s"]
+        result["paged_vs_contiguous"] = ratio
+        print(f"| paged / contiguous reservation | {ratio:.2f}x (target >= 2x) |")
+    if "hf_generate" in result:
+        hf = result["hf_generate"]
+        print(f"| transformers static batches ({hf['requests']} requests, batch {hf['batch_size']}"
+              f"{', cut by --hf-max-time' if hf['truncated'] else ''}) | "
+              f"{hf['output_tokens_per_s']:,.0f} output tok/s |")
+        if "paged" in modes:
+            ratio = result["paged"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+            result["paged_vs_hf"] = ratio
+            print(f"| paged / transformers | {ratio:.1f}x (target >= 20x) |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
