@@ -54,8 +54,8 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.config.attention_backend is not None:
-            ops.set_backend(self.config.attention_backend)
+        # Process-wide: "auto" picks triton for CUDA tensors and the torch reference on CPU.
+        ops.set_backend(self.config.attention_backend or "auto")
         if self.world_size > 1:
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
                                     init_method=self.distributed_init_method, rank=self.rank,
@@ -150,6 +150,7 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        ops.set_backend("auto")
         parallel.reset_tensor_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
