@@ -48,10 +48,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"raypaged launch: {e}", file=sys.stderr)
         return 2
     try:
+        for port in (args.port, args.metrics_port):
+            _check_port_free(args.host, port)  # before minutes of start-up, not after
         return asyncio.run(serve(config, args))
     except OSError as e:  # e.g. the port is taken
         print(f"raypaged launch: {e}", file=sys.stderr)
         return 1
+
+
+def _check_port_free(host: str, port: int | None) -> None:
+    import socket
+
+    if not port:
+        return
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
