@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.proto.v1 import SERVICE_NAME, raypaged_pb2, raypaged_pb2_grpc
@@ -155,6 +154,13 @@ class ResultBuilder:
         return GenerateResult(self.request_id, [self.outputs[i] for i in sorted(self.outputs)], self.usage)
 
 
+def _health_modules():
+    # Imported on use: the client runs without grpcio-health-checking unless health() is called.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    return health_pb2, health_pb2_grpc
+
+
 def _error(e: grpc.RpcError) -> RequestError:
     return RequestError(e.code(), e.details() or "")
 
@@ -164,7 +170,6 @@ class AsyncClient:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=list(options))
         self._stub = raypaged_pb2_grpc.RaypagedServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      request_id: str = "", timeout: float | None = None, priority: int = 0,
@@ -201,9 +206,10 @@ class AsyncClient:
 
     async def health(self, service: str = SERVICE_NAME, timeout: float | None = 5.0) -> str:
         """"SERVING", "NOT_SERVING", … as grpc.health.v1 names them."""
+        health_pb2, health_pb2_grpc = _health_modules()
         try:
-            response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
-                                                timeout=timeout)
+            response = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as e:
             raise _error(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -225,7 +231,6 @@ class Client:
         self.address = address
         self._channel = grpc.insecure_channel(address, options=list(options))
         self._stub = raypaged_pb2_grpc.RaypagedServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str = "", timeout: float | None = None, priority: int = 0,
@@ -261,8 +266,10 @@ class Client:
             raise _error(e) from None
 
     def health(self, service: str = SERVICE_NAME, timeout: float | None = 5.0) -> str:
+        health_pb2, health_pb2_grpc = _health_modules()
         try:
-            response = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            response = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as e:
             raise _error(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -122,3 +122,14 @@ def test_engine_error_fails_the_request():
     processor = RequestOutputProcessor(request, CharTokenizer())
     with pytest.raises(RequestFailedError, match="workers failed"):
         processor.process(out(0, "", FinishReason.ABORT, error="the model workers failed"))
+
+
+def test_client_is_light():
+    """The client runs where neither torch nor Ray is installed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, raypaged.client\n"
+            "bad = [m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
