@@ -11,8 +11,8 @@ import logging
 
 import grpc
 
-from raypaged.core.errors import InvalidRequestError, QueueFullError, RaypagedError, UnknownRequestError
-from raypaged.engine.client import EngineDeadError
+from raypaged.core.errors import (EngineDeadError, InvalidRequestError, QueueFullError, RaypagedError,
+                                  UnknownRequestError)
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from raypaged.core.errors import InvalidRequestError, UnknownRequestError
-from raypaged.engine.client import AsyncEngineClient, EngineDeadError
+from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
+from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
 from raypaged.frontend.metrics import FrontendMetrics, RequestTracker
 from raypaged.frontend.output_processor import RequestOutputProcessor
