@@ -4,7 +4,7 @@
 # through a Ray actor, output tokens/s at batch 128 x (512 + 256) beside transformers generate.
 #   run: bash scripts/gpu_engine.sh   (with .device/ carried: the Ray bundle, see GPU.md)
 set -euo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py defaults it to 1 for CPU runs
 source .device/setup.sh
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "WARNING: Running pip" || true
 python3 -m pytest -q -m gpu tests/test_engine_generate.py -p no:cacheprovider

@@ -185,7 +185,11 @@ def test_on_cuda_with_and_without_cuda_graphs(enforce_eager):
     """Triton kernels on the GPU, decode through captured CUDA graphs (padded batch sizes):
     still token-identical to transformers in fp32."""
     prompts = random_prompts([1, 7, 17, 40, 3], vocab_of("llama"), seed=16)
-    llm, results = run("llama", prompts, device="cuda", dtype="float32", block_size=16,
-                       max_num_seqs=8, enforce_eager=enforce_eager)
-    assert (llm.engine.executor.worker.runner.decode_graphs is None) == enforce_eager
+    llm = LLM(str(checkpoint_dir("llama")), device="cuda", dtype="float32", block_size=16,
+              max_num_seqs=8, enforce_eager=enforce_eager)
+    try:
+        assert (llm.engine.executor.worker.runner.decode_graphs is None) == enforce_eager
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    finally:
+        llm.shutdown()
     assert_matches_hf("llama", prompts, results)
