@@ -19,7 +19,8 @@ _CORPUS = [
     "hello world, hello there; def f(x): return x * 2",
     "A paged KV cache stores keys and values in fixed-size blocks.",
 ] * 3
-_SAMPLES = ["héllo 日本 world 😀", "naïve café — 東京タワー 🚀🚀", "plain ascii text", "ü", "a😀b", "\u00e9\u0301"]
+_SAMPLES = ["héllo 日本 world 😀", "naïve café — 東京タワー 🚀🚀", "plain ascii text", "ü", "a😀b",
+            "\u00e9\u0301"]
 
 
 @functools.cache

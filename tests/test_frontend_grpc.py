@@ -145,7 +145,8 @@ def test_stop_string_with_n_samples(server, client):
     result = client.generate(prompt, max_tokens=40, n=3, stop=[stop], **greedy())
     assert [o.index for o in result.outputs] == [0, 1, 2]
     for out in result.outputs:  # greedy: every sample is the same text, cut at the same place
-        assert (out.text, out.finish_reason, out.stop_reason) == (full.text[:full.text.find(stop)], "stop", stop)
+        expected = (full.text[:full.text.find(stop)], "stop", stop)
+        assert (out.text, out.finish_reason, out.stop_reason) == expected
     server.wait_pool_whole()
 
 

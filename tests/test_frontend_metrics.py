@@ -64,7 +64,8 @@ def scrape(server) -> tuple[dict, dict]:
     values = {}
     for family in families.values():
         for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine")))
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items()
+                                  if k not in ("model_name", "engine")))
             values[(sample.name, labels)] = sample.value
     return families, values
 

@@ -98,7 +98,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda s=sig: _on_signal(server, s, logger))
-        metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+        metrics = (f", metrics on http://{args.host}:{server.metrics_port}/metrics"
+                   if server.metrics_port else "")
         # One line that scripts wait for: the address is real and the server is SERVING.
         logger.info("raypaged ready: serving %s (%s, %d KV blocks of %d tokens, tp %d) on %s%s",
                     server.service.model_name, info["architecture"], info["num_blocks"],

@@ -24,8 +24,8 @@ _TRIM_AT = 64
 
 class IncrementalDetokenizer:
     """One sample's text. `push(new_ids)` returns the newly settled text; `flush()` returns what
-    is still held back (at the end of the sample: bytes that never became a character). Joined, the deltas equal decoding the whole
-    output in the context of the prompt."""
+    is still held back (at the end of the sample: bytes that never became a character). Joined,
+    the deltas equal decoding the whole output in the context of the prompt."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True) -> None:
