@@ -20,11 +20,13 @@ import requests
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.proto.v1 import raypaged_pb2_grpc as pb_grpc
 from test_launch import session_processes
+from test_serve_app import _demo_model_missing
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(_demo_model_missing(), reason="the built-in demo model (raypaged/demo_model) is not built")
 def test_serve_run_demo_config_as_written():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     serve_cli = Path(sys.executable).with_name("serve")
