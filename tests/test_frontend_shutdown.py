@@ -118,3 +118,22 @@ def test_dead_engine_is_unavailable_and_not_serving():
             time.sleep(0.05)
     server.stop()
     assert alive_actors() == []
+
+
+def test_stop_waiting_cuts_a_long_grace_short():
+    """A second Ctrl-C: the drain stops waiting, the streams left are cancelled."""
+    server = ServerThread(engine_config())
+    result: dict = {}
+    thread = stream_in_thread(server.address, result, max_tokens=240)
+    wait_started(result)
+    shutdown = asyncio.run_coroutine_threadsafe(server.server.shutdown(grace_s=600), server.loop)
+    time.sleep(0.2)
+    assert not shutdown.done()  # draining: the stream may take its time
+    started = time.monotonic()
+    server.loop.call_soon_threadsafe(server.server.service.stop_waiting)
+    shutdown.result(timeout=30)
+    assert time.monotonic() - started < 20
+    thread.join(timeout=30)
+    assert result["error"].code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    server.stop()
+    assert alive_actors() == []

@@ -118,6 +118,10 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
 def _on_signal(server, sig, logger) -> None:
     import asyncio
 
-    logger.info("%s: shutting down (streams in flight get %.0f s to finish)",
-                sig.name, server.config.shutdown_grace_s)
-    asyncio.get_running_loop().create_task(server.shutdown())
+    if server.service.accepting:
+        logger.info("%s: shutting down (streams in flight get %.0f s to finish; again to cut that short)",
+                    sig.name, server.config.shutdown_grace_s)
+        asyncio.get_running_loop().create_task(server.shutdown())
+    else:
+        logger.info("%s again: cancelling the streams in flight", sig.name)
+        server.service.stop_waiting()

@@ -38,6 +38,7 @@ class GenerationService:
         self._in_flight: set[str] = set()  # group ids of requests being streamed
         self._idle = asyncio.Event()
         self._idle.set()
+        self._stop_waiting = asyncio.Event()
 
     @property
     def num_in_flight(self) -> int:
@@ -109,9 +110,17 @@ class GenerationService:
             eos_token_ids=list(info["eos_token_ids"]))
 
     async def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests and wait up to timeout_s for those in flight to finish; True when
-        none is left."""
+        """Refuse new requests and wait up to timeout_s (or until stop_waiting) for those in
+        flight to finish; True when none is left."""
         self.accepting = False
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        waits = [asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._stop_waiting.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
         return not self._in_flight
+
+    def stop_waiting(self) -> None:
+        """Cut a drain short (a second Ctrl-C)."""
+        self._stop_waiting.set()
