@@ -186,6 +186,9 @@ def test_bad_requests_get_openai_shaped_errors(server):
         response = http.post(f"{base}/completions", data=b"{not json",
                              headers={"content-type": "application/json"}, timeout=30)
         assert response.status_code == 400 and "error" in response.json()
+        for method, route, status in (("post", "/nowhere", 404), ("get", "/completions", 405)):
+            response = getattr(http, method)(f"{base}{route}", timeout=30)
+            assert response.status_code == status and set(response.json()["error"]) >= {"message", "type"}
     with pytest.raises(openai.BadRequestError) as raised:
         client(server).completions.create(model="llama", prompt="x", temperature=-1)
     assert raised.value.status_code == 400 and "temperature" in raised.value.body["message"]

@@ -16,12 +16,13 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 from prometheus_client import generate_latest
 from ray import serve
 
@@ -32,7 +33,7 @@ from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
 from raypaged.serve.chat_template import chat_prompt_token_ids
 from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
-from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from raypaged.serve.openai_responses import ResponseBuilder
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
@@ -50,6 +51,12 @@ async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": …}.
     return await _openai_error(request, from_validation_errors(list(error.errors())))
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """Unknown routes (404) and wrong methods (405) in OpenAI's shape too."""
+    return await _openai_error(request, OpenAIError(error.status_code, str(error.detail)))
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -109,7 +116,8 @@ class RaypagedDeployment:
 
         return await self._respond(body, chat=True, build=build)
 
-    async def _respond(self, body: _SamplingFields, *, chat: bool, build) -> Any:
+    async def _respond(self, body: OpenAIRequest, *, chat: bool,
+                       build: Callable[[], pb.GenerateRequest]) -> Any:
         if body.model is not None and body.model != self.model_name:
             raise self._refused(model_not_found(body.model, self.model_name))
         try:

@@ -28,7 +28,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class OpenAIRequest(BaseModel):
+    """What /v1/completions and /v1/chat/completions share: the sampling fields."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -84,7 +86,7 @@ class _SamplingFields(BaseModel):
                                   cache_salt=self.cache_salt or "")
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(OpenAIRequest):
     # A text, token ids, or a batch of one of either (what the openai client sends for one prompt).
     prompt: Union[str, TokenIds, list[str], list[TokenIds]]
     logprobs: Int32 | None = None  # top logprobs per token, 0..20
@@ -138,7 +140,7 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
