@@ -83,7 +83,15 @@ class RayExecutor:
         self.placement_group = None
         self._owns_placement_group = False
         self.compiled_dag = None
-        self._start_workers()
+        self._failed = False  # set once a call to the group failed: shutdown then kills first
+        try:
+            self._start_workers()
+        except BaseException:
+            # A group that cannot start (a rank fails to load, no resources) must not keep its
+            # actors and placement group: the engine's next restart attempt needs them.
+            self._failed = True
+            self.shutdown()
+            raise
 
     def _use_gpu(self) -> bool:
         if self.config.device == "cpu":
@@ -155,6 +163,7 @@ class RayExecutor:
         try:
             return ray.get(refs, timeout=self.config.ray_start_timeout_s)
         except _GROUP_FAILURES as e:
+            self._failed = True
             raise WorkerGroupError(f"worker group failed in {method}: {e}") from e
 
     # ---- the executor interface --------------------------------------------------------------
@@ -173,6 +182,7 @@ class RayExecutor:
                 results = ray.get([w.execute_model.remote(scheduler_output) for w in self.workers],
                                   timeout=self.config.step_timeout_s)
         except _GROUP_FAILURES as e:
+            self._failed = True
             raise WorkerGroupError(f"a tensor-parallel worker failed: {e}") from e
         return results[0]
 
@@ -190,6 +200,12 @@ class RayExecutor:
         return ray.get([w.pid.remote() for w in self.workers])
 
     def shutdown(self) -> None:
+        if self._failed:
+            # A rank whose peer raised or died can be blocked in a collective the peer never
+            # joins; the compiled graph's teardown would wait on it forever. Kill first.
+            for worker in self.workers:
+                ray.kill(worker, no_restart=True)
+            self._wait_until_dead(self.workers)
         if self.compiled_dag is not None:
             try:
                 self.compiled_dag.teardown()
