@@ -84,7 +84,9 @@ class GenerationService:
                         # Other samples go on; end this one in the engine. (Sample 0's id is the
                         # group's, which would abort them all: it runs on until they finish.)
                         await self.engine.abort(out.req_id)
-        except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled or its deadline passed: the handler is cancelled while it
+            # waits, or closed (GeneratorExit) while it yields.
             if tracker is not None:
                 for index in processor.unfinished_sample_indices():
                     tracker.on_finished(index, "abort")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,8 +20,11 @@ class RaypagedServicer(pb_grpc.RaypagedServiceServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for response in self.service.generate(request):
-                yield response
+            # Closed explicitly when the call ends early, so the request is aborted in the
+            # engine at once rather than whenever the generator is collected.
+            async with contextlib.aclosing(self.service.generate(request)) as responses:
+                async for response in responses:
+                    yield response
         except Exception as e:  # CancelledError (a cancelled call) is not an Exception: it passes
             await self._abort(context, e)
 
