@@ -19,14 +19,16 @@ def _hf_model(model_dir: str):
 
 
 def hf_greedy(model_dir: str | Path, prompt: tuple[int, ...], max_new_tokens: int,
-              stop_on_eos: bool = False) -> list[int]:
-    """transformers' own greedy generate; EOS ignored unless asked (as ignore_eos=True)."""
-    return list(_hf_greedy(str(model_dir), tuple(prompt), max_new_tokens, stop_on_eos))
+              stop_on_eos: bool = False, **generate_kwargs) -> list[int]:
+    """transformers' own greedy generate; EOS ignored unless asked (as ignore_eos=True).
+    generate_kwargs: more of generate's arguments (e.g. repetition_penalty)."""
+    return list(_hf_greedy(str(model_dir), tuple(prompt), max_new_tokens, stop_on_eos,
+                           tuple(sorted(generate_kwargs.items()))))
 
 
 @functools.cache
 def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int,
-               stop_on_eos: bool) -> tuple[int, ...]:
+               stop_on_eos: bool, generate_kwargs: tuple = ()) -> tuple[int, ...]:
     model = _hf_model(model_dir)
     saved = model.generation_config.eos_token_id, model.config.eos_token_id
     if not stop_on_eos:
@@ -36,7 +38,7 @@ def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int,
     try:
         with torch.inference_mode():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0,
+                                 do_sample=False, pad_token_id=0, **dict(generate_kwargs),
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     finally:
         model.generation_config.eos_token_id, model.config.eos_token_id = saved

@@ -193,3 +193,23 @@ def test_on_cuda_with_and_without_cuda_graphs(enforce_eager):
     finally:
         llm.shutdown()
     assert_matches_hf("llama", prompts, results)
+
+
+def test_repetition_penalty_matches_transformers():
+    """The runner hands the sampler token histories only for rows with penalties: a penalized
+    greedy request beside a plain one still equals transformers' RepetitionPenaltyLogitsProcessor
+    (over prompt + output), and the plain one is untouched."""
+    prompts = random_prompts([6, 12], vocab_of("llama"), seed=17)
+    llm = LLM(str(checkpoint_dir("llama")))
+    try:
+        penalized, plain = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            repetition_penalty=1.5), GREEDY])
+    finally:
+        llm.shutdown()
+    model = checkpoint_dir("llama")
+    assert penalized.outputs[0].token_ids == hf_greedy(model, tuple(prompts[0]), MAX_TOKENS,
+                                                       repetition_penalty=1.5)
+    assert penalized.outputs[0].token_ids != hf_greedy(model, tuple(prompts[0]), MAX_TOKENS)
+    assert plain.outputs[0].token_ids == hf_greedy(model, tuple(prompts[1]), MAX_TOKENS)

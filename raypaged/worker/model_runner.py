@@ -20,6 +20,7 @@ from raypaged.model.attention import AttentionMetadata
 from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.sampler import Sampler, SamplingMetadata
+from raypaged.worker.sampling_metadata import needs_token_history
 
 
 @dataclass
@@ -179,13 +180,17 @@ class ModelRunner:
         )
         if logits is None:
             return result
+        # Token histories only for rows with penalties: copying every request's whole context
+        # each step would make the step's host work grow with context length.
+        history = [needs_token_history(s.sampling_params) for s in row_states]
         sampling_metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in row_states],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in row_states],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in row_states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if h else () for s, h in zip(row_states, history)],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens :] if h else () for s, h in zip(row_states, history)],
             vocab_size=self.vocab_size,
             device=logits.device,
             sample_indices=sample_indices,
+            num_output_tokens=[len(s.token_ids) - s.num_prompt_tokens for s in row_states],
         )
         for row, state in enumerate(row_states):
             if state.sampling_params.min_tokens:

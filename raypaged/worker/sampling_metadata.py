@@ -56,7 +56,7 @@ def _needs_repetition(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0
 
 
-def _needs_output_counts(p: SamplingParams) -> bool:
+def needs_token_history(p: SamplingParams) -> bool:
     return _needs_repetition(p) or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
@@ -99,10 +99,13 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         sample_indices: Sequence[int] | None = None,
+        num_output_tokens: Sequence[int] | None = None,
     ) -> "SamplingMetadata":
         """One row per logits row. `sample_indices[i]` (default 0) is which sample of an n > 1
         request row i draws, when the runner repeats a request's row n times for its first
-        token; it must lie in [0, params[i].n)."""
+        token; it must lie in [0, params[i].n). Token lists are read only for rows that ask for
+        a penalty (others may pass empty ones); `num_output_tokens` (default: the lengths of
+        output_token_ids) positions each seeded row's randomness."""
         num_rows = len(params)
         if sample_indices is None:
             sample_indices = [0] * num_rows
@@ -136,7 +139,7 @@ class SamplingMetadata:
             if not all_random:
                 columns["greedy_mask"] = [float(g) for g in greedy]
         # Penalties change the logits greedy rows take the argmax of, so they apply to all rows.
-        if any(_needs_output_counts(p) for p in params):
+        if any(needs_token_history(p) for p in params):
             columns["repetition_penalty"] = [p.repetition_penalty for p in params]
             columns["frequency_penalty"] = [p.frequency_penalty for p in params]
             columns["presence_penalty"] = [p.presence_penalty for p in params]
@@ -146,19 +149,21 @@ class SamplingMetadata:
             # Only rows that ask for a penalty contribute tokens: the others' lists stay empty
             # so a long prompt without penalties costs nothing here.
             md.output_token_counts = _token_counts(
-                [o if _needs_output_counts(p) else () for p, o in zip(params, output_token_ids)],
+                [o if needs_token_history(p) else () for p, o in zip(params, output_token_ids)],
                 vocab_size, device, "output_token_ids")
             if any(_needs_repetition(p) for p in params):
                 md.prompt_token_mask = _token_mask(
                     [t if _needs_repetition(p) else () for p, t in zip(params, prompt_token_ids)],
                     vocab_size, device, "prompt_token_ids")
 
-        for row, (p, g, index, outputs) in enumerate(zip(params, greedy, sample_indices, output_token_ids)):
+        if num_output_tokens is None:
+            num_output_tokens = [len(o) for o in output_token_ids]
+        for row, (p, g, index, num_outputs) in enumerate(zip(params, greedy, sample_indices, num_output_tokens)):
             seed = effective_seed(p, index)
             if g or seed is None:
                 continue
             generator = torch.Generator(device=device)
-            generator.manual_seed(row_generator_seed(seed, len(outputs)))
+            generator.manual_seed(row_generator_seed(seed, num_outputs))
             md.generators[row] = generator
         return md
 
