@@ -128,7 +128,7 @@ class LLM:
         sample.text += released
         if stop is not None:  # the text ends before the stop string; the engine drops the sample
             sample.finish_reason, sample.stop_reason = FinishReason.STOP.value, stop
-            self.engine.abort_requests([out.req_id])
+            self.engine.abort_requests([f"{out.group_id}#{out.sample_index}"])  # this sample only
         elif out.finished:
             sample.text += state.stop_matcher.flush()
 

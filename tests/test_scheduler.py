@@ -445,3 +445,15 @@ def test_reset_workers_recomputes_everything_in_order_on_a_fresh_worker():
             tokens[rid].extend(o.new_token_ids)
     check_pool_whole(h.scheduler)
     assert {rid: len(t) for rid, t in tokens.items()} == {"r0": 6, "r1": 6, "r2": 6}
+
+
+def test_sample_zero_can_be_aborted_alone():
+    h = Harness()
+    h.add("g", [1, 2, 3, 4, 5], n=3, max_tokens=8, ignore_eos=True)
+    h.step()  # prefill once, fork
+    assert sorted(h.scheduler.requests) == ["g", "g#1", "g#2"]
+    [out] = h.scheduler.abort_requests("g#0")
+    assert (out.req_id, out.sample_index, out.finish_reason) == ("g", 0, FinishReason.ABORT)
+    assert sorted(h.scheduler.requests) == ["g#1", "g#2"]
+    finished = h.drain()
+    assert sorted(finished) == ["g#1", "g#2"]

@@ -90,7 +90,7 @@ class Scheduler:
 
     def abort_requests(self, group_or_request_ids: str | list[str]) -> list[EngineCoreOutput]:
         """Abort requests in any state. A group id aborts every sample of the group; a sample id
-        (f"{group}#{i}") that one. UnknownRequestError, before anything changes, for an id that
+        (f"{group}#{i}", i >= 0) that one. UnknownRequestError, before anything changes, for an id that
         names no unfinished request or group."""
         ids = [group_or_request_ids] if isinstance(group_or_request_ids, str) else list(group_or_request_ids)
         targets: dict[str, Request] = {}
@@ -100,6 +100,9 @@ class Scheduler:
                 targets.update((rid, self.requests[rid]) for rid in sorted(members))
             elif id_ in self.requests:
                 targets[id_] = self.requests[id_]
+            elif id_.endswith("#0") and id_[:-2] in self.requests:
+                # Sample 0 alone: its request id is the group id, which names the whole group.
+                targets[id_[:-2]] = self.requests[id_[:-2]]
             else:
                 raise UnknownRequestError(f"no unfinished request or group {id_!r}")
         outputs = []

@@ -80,10 +80,10 @@ class GenerationService:
                             return  # leaving aclosing aborts the samples the engine still runs
                         continue  # the engine finished them all: its stream ends by itself
                     just_stopped = processor.samples[out.sample_index].stopped_by_string
-                    if just_stopped and processed.finish_reason is not None and out.sample_index > 0:
-                        # Other samples go on; end this one in the engine. (Sample 0's id is the
-                        # group's, which would abort them all: it runs on until they finish.)
-                        await self.engine.abort(out.req_id)
+                    if just_stopped and processed.finish_reason is not None:
+                        # Other samples go on; end this one in the engine (f"{group}#{i}" names
+                        # one sample, sample 0 included).
+                        await self.engine.abort(f"{out.group_id}#{out.sample_index}")
         except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled or its deadline passed: the handler is cancelled while it
             # waits, or closed (GeneratorExit) while it yields.
