@@ -10,6 +10,10 @@ Sampling parameters are keyword arguments named as in SamplingParams (n, max_tok
 temperature, top_p, top_k, min_p, stop, stop_token_ids, seed, logprobs, ignore_eos, …), or a
 SamplingParams object. A prompt is text or a list of token ids. Leaving a stream early cancels
 the call, which aborts the request on the server. Errors raise RequestError with the status.
+
+A server started with TLS and a token (README: Running on a network safely):
+
+    Client("host:50051", credentials=tls_credentials("ca.pem"), auth_token=os.environ["TOKEN"])
 """
 
 from __future__ import annotations
@@ -161,14 +165,38 @@ def _health_modules():
     return health_pb2, health_pb2_grpc
 
 
+def tls_credentials(ca_file: str | None = None, cert_file: str | None = None,
+                    key_file: str | None = None) -> grpc.ChannelCredentials:
+    """TLS for the channel: the CA that signed the server's certificate (None: the system's
+    roots), and this client's certificate and key where the server asks for one."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("cert_file and key_file go together")
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+
+
+def _auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None:
+    # Call metadata works with and without TLS (the server warns when it is exposed without).
+    return (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+
+
 def _error(e: grpc.RpcError) -> RequestError:
     return RequestError(e.code(), e.details() or "")
 
 
 class AsyncClient:
-    def __init__(self, address: str, *, options: Sequence[tuple[str, object]] = ()) -> None:
+    def __init__(self, address: str, *, options: Sequence[tuple[str, object]] = (),
+                 credentials: grpc.ChannelCredentials | None = None, auth_token: str | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=list(options))
+        self._metadata = _auth_metadata(auth_token)
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=list(options)) if credentials
+                         else grpc.aio.insecure_channel(address, options=list(options)))
         self._stub = raypaged_pb2_grpc.RaypagedServiceStub(self._channel)
 
     async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -176,7 +204,7 @@ class AsyncClient:
                      cache_salt: str = "", **sampling) -> AsyncIterator[StreamChunk]:
         message = build_request(prompt, params, request_id=request_id, priority=priority,
                                 cache_salt=cache_salt, **sampling)
-        call = self._stub.Generate(message, timeout=timeout)
+        call = self._stub.Generate(message, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield chunk_from_proto(response)
@@ -194,13 +222,13 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         try:
-            await self._stub.Abort(pb.AbortRequest(request_id=request_id))
+            await self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
 
     async def model_info(self) -> pb.ModelInfo:
         try:
-            return await self._stub.GetModelInfo(pb.GetModelInfoRequest())
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
 
@@ -209,7 +237,7 @@ class AsyncClient:
         health_pb2, health_pb2_grpc = _health_modules()
         try:
             response = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -227,9 +255,12 @@ class AsyncClient:
 class Client:
     """Blocking twin of AsyncClient (same methods), for scripts and the command line."""
 
-    def __init__(self, address: str, *, options: Sequence[tuple[str, object]] = ()) -> None:
+    def __init__(self, address: str, *, options: Sequence[tuple[str, object]] = (),
+                 credentials: grpc.ChannelCredentials | None = None, auth_token: str | None = None) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=list(options))
+        self._metadata = _auth_metadata(auth_token)
+        self._channel = (grpc.secure_channel(address, credentials, options=list(options)) if credentials
+                         else grpc.insecure_channel(address, options=list(options)))
         self._stub = raypaged_pb2_grpc.RaypagedServiceStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -237,7 +268,7 @@ class Client:
                cache_salt: str = "", **sampling) -> Iterator[StreamChunk]:
         message = build_request(prompt, params, request_id=request_id, priority=priority,
                                 cache_salt=cache_salt, **sampling)
-        call = self._stub.Generate(message, timeout=timeout)
+        call = self._stub.Generate(message, timeout=timeout, metadata=self._metadata)
         try:
             for response in call:
                 yield chunk_from_proto(response)
@@ -255,13 +286,13 @@ class Client:
 
     def abort(self, request_id: str) -> None:
         try:
-            self._stub.Abort(pb.AbortRequest(request_id=request_id))
+            self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
 
     def model_info(self) -> pb.ModelInfo:
         try:
-            return self._stub.GetModelInfo(pb.GetModelInfoRequest())
+            return self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
 
@@ -269,7 +300,7 @@ class Client:
         health_pb2, health_pb2_grpc = _health_modules()
         try:
             response = health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -49,6 +49,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--server", metavar="HOST:PORT", default=None,
                         help="stream from a running `raypaged launch` server (engine flags ignored)")
     parser.add_argument("--timeout", type=float, default=None, help="with --server: deadline in seconds")
+    parser.add_argument("--tls", action="store_true",
+                        help="with --server: connect over TLS (the system's CAs unless --tls-ca)")
+    parser.add_argument("--tls-ca", default=None, help="with --server: PEM CA of the server's certificate")
+    parser.add_argument("--tls-cert", default=None, help="with --server: PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", default=None, help="with --server: PEM key of --tls-cert")
+    parser.add_argument("--auth-token", default=None,
+                        help="with --server: bearer token (default: $RAYPAGED_AUTH_TOKEN)")
     EngineConfig.add_cli_args(parser)
     add_sampling_args(parser)
     parser.set_defaults(run=run)
@@ -101,17 +108,21 @@ def output_json(o) -> dict:
 
 def run_remote(args: argparse.Namespace) -> int:
     """Stream from a server: text as it arrives for one sample; all samples at the end for n > 1."""
-    from raypaged.client import Client, RequestError, ResultBuilder
+    from raypaged.client import Client, RequestError, ResultBuilder, tls_credentials
     from raypaged.core.errors import InvalidRequestError
+    from raypaged.frontend.auth import auth_token_from_env
 
     try:
         params = sampling_params_from_args(args)
-    except InvalidRequestError as e:
+        use_tls = args.tls or any(v is not None for v in (args.tls_ca, args.tls_cert, args.tls_key))
+        credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
+    except (InvalidRequestError, ValueError, OSError) as e:
         print(f"raypaged generate: {e}", file=sys.stderr)
         return 2
+    token = args.auth_token if args.auth_token is not None else auth_token_from_env()
     streaming = params.n == 1 and not args.json
     builder = ResultBuilder()
-    with Client(args.server) as client:
+    with Client(args.server, credentials=credentials, auth_token=token) as client:
         try:
             if streaming:
                 print(args.prompt, end="", flush=True)

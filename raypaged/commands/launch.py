@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from raypaged.commands.network_security import add_security_args, security_from_args
 from raypaged.config import EngineConfig
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
@@ -28,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="requests the engine queues before answering RESOURCE_EXHAUSTED")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds that streams in flight get to finish on SIGINT / SIGTERM")
+    group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
+                       help="start a new engine (with backoff) when the engine actor dies")
+    add_security_args(parser)
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(run=run)
 
@@ -44,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         config.ray_address = args.address
         config.max_waiting_requests = args.max_waiting_requests
         config.validate()
-    except InvalidRequestError as e:
+        args.security = security_from_args(args)
+    except (InvalidRequestError, ValueError) as e:
         print(f"raypaged launch: {e}", file=sys.stderr)
         return 2
     try:
@@ -75,10 +80,13 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     import ray
     from transformers import AutoTokenizer
 
+    from raypaged.commands.network_security import warn_if_exposed
     from raypaged.engine.client import AsyncEngineClient
     from raypaged.frontend.server import FrontendServer, ServerConfig
 
     logger = logging.getLogger("raypaged.launch")
+    security = args.security
+    warn_if_exposed(args.host, security, logger)
     started_ray = not ray.is_initialized()
     if started_ray:
         # address None starts a local Ray; "auto" or HOST:PORT joins a running cluster.
@@ -92,8 +100,11 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         server = FrontendServer(
             engine, tokenizer,
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                         model_name=model_name, shutdown_grace_s=args.shutdown_grace),
-            owns_engine=True)
+                         model_name=model_name, shutdown_grace_s=args.shutdown_grace,
+                         max_message_bytes=security.max_message_bytes, tls=security.tls,
+                         auth_token=security.auth_token),
+            owns_engine=True,
+            engine_factory=(lambda: AsyncEngineClient.start(config)) if args.engine_restart else None)
         await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -101,9 +112,10 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         metrics = (f", metrics on http://{args.host}:{server.metrics_port}/metrics"
                    if server.metrics_port else "")
         # One line that scripts wait for: the address is real and the server is SERVING.
-        logger.info("raypaged ready: serving %s (%s, %d KV blocks of %d tokens, tp %d) on %s%s",
+        logger.info("raypaged ready: serving %s (%s, %d KV blocks of %d tokens, tp %d)%s on %s%s",
                     server.service.model_name, info["architecture"], info["num_blocks"],
-                    info["block_size"], info["tensor_parallel_size"], server.address, metrics)
+                    info["block_size"], info["tensor_parallel_size"],
+                    " over TLS" if security.tls else "", server.address, metrics)
         engine = None  # the server owns it now
         await server.wait_closed()
         logger.info("raypaged stopped")

@@ -11,6 +11,7 @@ import logging
 import threading
 
 from raypaged.config import EngineConfig
+from raypaged.core.errors import EngineDeadError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
 from raypaged.engine.core import EngineCore
@@ -60,6 +61,10 @@ class EngineActor:
         self._check_alive()
         with self._have_outputs:
             if not self._outputs:
+                if self.core.dead is not None:
+                    # The engine gave up on its workers and its failed requests' records are
+                    # out: from now on the caller learns it is gone (and can replace it).
+                    raise EngineDeadError(self.core.dead)
                 self._have_outputs.wait(timeout_s)
             outputs, self._outputs = self._outputs, []
         return outputs

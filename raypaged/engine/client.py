@@ -45,6 +45,7 @@ class AsyncEngineClient:
         self.model_info = model_info
         self._streams: dict[str, _Stream] = {}
         self._dead: str | None = None
+        self._gone = asyncio.Event()  # set with _dead
         self._pump_task: asyncio.Task | None = None
 
     @classmethod
@@ -127,6 +128,7 @@ class AsyncEngineClient:
     def _fail_all(self, message: str) -> None:
         logger.error(message)
         self._dead = message
+        self._gone.set()
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(message))
 
@@ -134,12 +136,34 @@ class AsyncEngineClient:
     def is_alive(self) -> bool:
         return self._dead is None
 
-    async def shutdown(self) -> None:
+    async def wait_dead(self) -> str:
+        """Returns, with the reason, once the engine is gone (its actor died, its loop died, or
+        it gave up on its workers)."""
+        await self._gone.wait()
+        return self._dead or "the engine is gone"
+
+    async def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop the engine and its workers; an engine that does not stop within timeout_s (or is
+        dead already) is killed, and its workers' placement group removed."""
         if self._pump_task is not None:
             self._pump_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._pump_task
         with contextlib.suppress(Exception):
-            await self.actor.shutdown.remote()
+            await asyncio.wait_for(self.actor.shutdown.remote(), timeout_s)
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
+        self._remove_worker_placement_group()
+
+    def _remove_worker_placement_group(self) -> None:
+        """An engine actor that died without shutting down leaves its workers' placement group
+        behind (Ray ties it to the job, not the actor), holding their GPUs: remove it."""
+        from raypaged.executor.ray_executor import worker_placement_group_name
+
+        name = worker_placement_group_name(self.actor._actor_id.hex())
+        try:
+            group = ray.util.get_placement_group(name)
+        except ValueError:  # none left: the engine shut down cleanly, or never made one
+            return
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(group)

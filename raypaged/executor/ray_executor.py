@@ -33,6 +33,19 @@ _GROUP_FAILURES: tuple[type[BaseException], ...] = (
 )
 
 
+def worker_placement_group_name(engine_actor_id: str) -> str:
+    """The name of the placement group an executor running inside that engine actor makes.
+
+    Ray removes a placement group with the job that made it, not with the actor: when the engine
+    actor dies, whoever replaces it removes the group by this name, or its GPUs stay reserved."""
+    return f"raypaged-workers-{engine_actor_id}"
+
+
+def _own_placement_group_name() -> str:
+    actor_id = ray.get_runtime_context().get_actor_id()
+    return worker_placement_group_name(actor_id) if actor_id else ""
+
+
 class RayWorkerActor:
     """Hosts one Worker in its own process (ray.remote is applied when the executor creates it)."""
 
@@ -137,7 +150,7 @@ class RayExecutor:
         self._owns_placement_group = current is None
         if current is None:
             self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
-                                                   strategy="PACK")
+                                                   strategy="PACK", name=_own_placement_group_name())
             ray.get(self.placement_group.ready(), timeout=self.config.ray_start_timeout_s)
             return 0
         specs = current.bundle_specs

@@ -4,6 +4,10 @@ port of their own, engine stats polled into the metrics, and a graceful shutdown
 Shutdown: health turns NOT_SERVING at once (load balancers stop sending), new requests get
 UNAVAILABLE, streams in flight get up to the grace period to finish; what is left then is
 cancelled (and so aborted in the engine), and the engine goes last.
+
+A dead engine (its actor died, or it gave up on its workers): health NOT_SERVING at once, and
+with an engine factory the supervisor (frontend/supervisor.py) brings a new one and health goes
+back to SERVING. Optional TLS (frontend/tls.py) and bearer token (frontend/auth.py).
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import make_wsgi_app
 
 from raypaged.engine.client import AsyncEngineClient
+from raypaged.frontend.auth import BearerTokenInterceptor
+from raypaged.frontend.malformed import MalformedRequestInterceptor
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
 from raypaged.frontend.servicer import RaypagedServicer
+from raypaged.frontend.supervisor import EngineFactory, EngineSupervisor, RestartPolicy
+from raypaged.frontend.tls import TLSConfig
 from raypaged.frontend.validation import RequestLimits
 from raypaged.proto.v1 import SERVICE_NAME, raypaged_pb2_grpc
 
@@ -44,6 +52,9 @@ class ServerConfig:
     stats_interval_s: float = 1.0  # how often engine stats are polled into the metrics
     max_message_bytes: int = 4 * 1024 * 1024
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tls: TLSConfig | None = None  # None: plain text (fine on loopback only)
+    auth_token: str | None = None  # set: every call but health needs "authorization: Bearer <it>"
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)  # with an engine factory
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -57,7 +68,8 @@ class _ThreadingWSGIServer(WSGIServer):
 
 class FrontendServer:
     def __init__(self, engine: AsyncEngineClient, tokenizer: Any, config: ServerConfig = ServerConfig(),
-                 owns_engine: bool = False) -> None:
+                 owns_engine: bool = False, engine_factory: EngineFactory | None = None) -> None:
+        """engine_factory: how to start a new engine when this one dies (None: stay NOT_SERVING)."""
         self.engine = engine
         self.config = config
         self.owns_engine = owns_engine
@@ -72,6 +84,9 @@ class FrontendServer:
         self._server: grpc.aio.Server | None = None
         self._metrics_http: WSGIServer | None = None
         self._poll_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self.supervisor = None if engine_factory is None else EngineSupervisor(engine_factory,
+                                                                               config.restart_policy)
         self._shutdown_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
@@ -86,13 +101,20 @@ class FrontendServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
         ]
-        server = grpc.aio.server(options=options)
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if config.auth_token is not None:
+            interceptors.append(BearerTokenInterceptor(config.auth_token))  # before any parsing
+        interceptors.append(MalformedRequestInterceptor())
+        credentials = config.tls.server_credentials() if config.tls is not None else None
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         raypaged_pb2_grpc.add_RaypagedServiceServicer_to_server(RaypagedServicer(self.service), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         try:
-            self.port = server.add_insecure_port(f"{config.host}:{config.port}")
+            address = f"{config.host}:{config.port}"
+            self.port = (server.add_secure_port(address, credentials) if credentials is not None
+                         else server.add_insecure_port(address))
         except RuntimeError as e:  # grpc raises this when the address cannot be bound
             raise OSError(f"cannot listen on {config.host}:{config.port}: {e}") from None
         if not self.port:  # older grpc returns 0 instead of raising
@@ -104,7 +126,9 @@ class FrontendServer:
         await self._poll_engine_once()  # the first scrape already shows the engine
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, SERVING)
-        self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
+        loop = asyncio.get_running_loop()
+        self._poll_task = loop.create_task(self._poll_engine())
+        self._watch_task = loop.create_task(self._watch_engine())
 
     def _start_metrics_http(self, host: str, port: int) -> None:
         httpd = make_server(host, port, make_wsgi_app(self.metrics.registry),
@@ -114,14 +138,29 @@ class FrontendServer:
         self._metrics_http = httpd
 
     async def _poll_engine(self) -> None:
-        """Engine stats into the metrics; health NOT_SERVING once the engine is gone."""
+        """Engine stats into the metrics."""
         while True:
-            if not self.engine.is_alive:
-                logger.error("the engine is gone: health is NOT_SERVING")
-                await self._set_health(NOT_SERVING)
-                return
-            await self._poll_engine_once()
+            if self.engine.is_alive:
+                await self._poll_engine_once()
             await asyncio.sleep(self.config.stats_interval_s)
+
+    async def _watch_engine(self) -> None:
+        """Health NOT_SERVING the moment the engine is gone; then, with a supervisor, a new
+        engine and SERVING again. (Requests meanwhile get UNAVAILABLE from the service.)"""
+        while True:
+            reason = await self.engine.wait_dead()
+            logger.error("%s: health is NOT_SERVING", reason)
+            await self._set_health(NOT_SERVING)
+            if self.supervisor is None:
+                return
+            engine = await self.supervisor.replace(self.engine)
+            if engine is None:
+                return
+            self.engine = engine
+            self.service.engine = engine
+            await self._poll_engine_once()
+            await self._set_health(SERVING)
+            logger.info("engine replaced: health is SERVING")
 
     async def _poll_engine_once(self) -> None:
         try:
@@ -152,10 +191,11 @@ class FrontendServer:
             # The grace period is over: what is left is cancelled now (each cancelled handler
             # aborts its request in the engine), and health watchers end.
             await self._server.stop(grace=None)
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll_task
+        for task in (self._poll_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

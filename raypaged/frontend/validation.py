@@ -129,11 +129,11 @@ def _prompt_token_ids(message: pb.GenerateRequest, tokenizer: Any, model: ModelL
                f"context of {model.max_model_len} tokens")
         ids = tokenizer.encode(text)
         _check(bool(ids), "the prompt is empty after tokenization")
-    else:
-        _check_token_ids("prompt_token_ids", ids, model.vocab_size)
     _check(len(ids) < model.max_model_len,
            f"the prompt has {len(ids)} tokens; this model's maximum context length is "
            f"{model.max_model_len}, which leaves no room to generate")
+    if not text:  # after the length check: a message can carry a million ids, each one looked at
+        _check_token_ids("prompt_token_ids", ids, model.vocab_size)
     return ids
 
 
