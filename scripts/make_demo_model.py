@@ -64,12 +64,12 @@ class DemoRecipe:
     intermediate_size: int = 768
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
-    steps: int = 600
-    batch_size: int = 16
-    seq_len: int = 256
-    peak_lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 30
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 128
+    peak_lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
@@ -78,7 +78,9 @@ class DemoRecipe:
 
 def stdlib_python_files() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in stdlib.glob("*.py") if p.is_file())
+    # _sysconfigdata_*.py is written when Python is built: a dict of this machine's build flags
+    # and paths, not source code, and large enough to teach the model to emit 'HAVE_...': 1.
+    return sorted(p for p in stdlib.glob("*.py") if p.is_file() and not p.name.startswith("_sysconfigdata"))
 
 
 def is_held_out(path: Path) -> bool:
@@ -210,6 +212,14 @@ def train(model: LlamaForCausalLM, train_ids: torch.Tensor, recipe: DemoRecipe) 
     return curve
 
 
+def name_tokenizer_class_portably(tokenizer_config: Path) -> None:
+    """transformers 5 writes its new class name, TokenizersBackend, which 4.x cannot resolve;
+    PreTrainedTokenizerFast resolves to the same thing in 5.x and is understood by 4.x."""
+    data = json.loads(tokenizer_config.read_text())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def sample_continuation(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompt: str) -> str:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=48, do_sample=False)
@@ -248,6 +258,7 @@ def build(out_dir: Path, recipe: DemoRecipe) -> dict:
     model.generation_config.pad_token_id = tokenizer.eos_token_id
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    name_tokenizer_class_portably(out_dir / "tokenizer_config.json")
     info = {
         "recipe": asdict(recipe),
         "num_parameters": sum(p.numel() for p in model.parameters()),
