@@ -210,7 +210,8 @@ def train(model: LlamaForCausalLM, train_ids: torch.Tensor, recipe: DemoRecipe) 
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         optimizer.step()
         if step % log_every == 0 or step == recipe.steps - 1:
-            point = {"step": step, "train_loss": round(loss.item(), 4), "seconds": round(time.perf_counter() - started, 1)}
+            elapsed = round(time.perf_counter() - started, 1)
+            point = {"step": step, "train_loss": round(loss.item(), 4), "seconds": elapsed}
             curve.append(point)
             print(json.dumps(point), flush=True)
     return curve
@@ -293,7 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="output directory (e.g. raypaged/demo_model)")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads (fixed for determinism)")
+    parser.add_argument("--threads", type=int, default=defaults.threads,
+                        help="torch CPU threads (fixed: results depend on it)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")

@@ -152,7 +152,8 @@ def test_greedy_continuation_of_def_looks_like_python(trained_model, random_mode
     assert sum(untrained.count(m) for m in PYTHON_MARKERS) < sum(trained.count(m) for m in PYTHON_MARKERS)
 
 
-def test_greedy_continuation_of_import_is_a_module_name_then_a_newline(trained_model, random_model, tokenizer):
+def test_greedy_continuation_of_import_is_a_module_name_then_a_newline(trained_model, random_model,
+                                                                       tokenizer):
     trained = greedy_continuation(trained_model, tokenizer, "import ")
     untrained = greedy_continuation(random_model, tokenizer, "import ")
     assert IMPORT_LINE.match(trained), trained
