@@ -34,7 +34,9 @@ def live_placement_groups() -> list[dict]:
 
 
 class ServerThread:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None,
+                 restart_engine: bool = False) -> None:
+        """restart_engine: the server replaces a dead engine (frontend/supervisor.py)."""
         from transformers import AutoTokenizer
 
         self.loop = asyncio.new_event_loop()
@@ -47,14 +49,18 @@ class ServerThread:
             from raypaged.engine.client import AsyncEngineClient
 
             engine = await AsyncEngineClient.start(engine_config)
-            server = FrontendServer(engine, self.tokenizer, config, owns_engine=True)
+            factory = (lambda: AsyncEngineClient.start(engine_config)) if restart_engine else None
+            server = FrontendServer(engine, self.tokenizer, config, owns_engine=True, engine_factory=factory)
             await server.start()
             return server
 
         self.server: FrontendServer = self.call(start(), timeout=300)
         self.address = self.server.address
-        self.engine = self.server.engine
         self.num_blocks: int = self.engine.model_info["num_blocks"]
+
+    @property
+    def engine(self):
+        return self.server.engine  # a new one after the supervisor replaced a dead engine
 
     def call(self, coroutine, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
