@@ -7,7 +7,7 @@
 #   PORT=50052 PROMPT='import os' scripts/demo.sh --model /path/to/hf-model   # extra launch flags
 set -euo pipefail
 port=${PORT:-50051}
-prompt=${PROMPT:-"def fibonacci(n):"}
+prompt=${PROMPT:-"def "}  # the demo model knows Python: "def " and "import " work best
 log=$(mktemp -t raypaged-launch.XXXXXX)
 raypaged launch --port "$port" "$@" >"$log" 2>&1 &
 server=$!
@@ -38,4 +38,5 @@ with Client(f"127.0.0.1:{port}") as client:
         time.sleep(0.5)
 PY
 grep -m1 "raypaged ready" "$log" >&2 || true
-raypaged generate --server "127.0.0.1:$port" --prompt "$prompt" --max-tokens 64
+# A mild repetition penalty: the 4M-parameter demo model loops under plain greedy decoding.
+raypaged generate --server "127.0.0.1:$port" --prompt "$prompt" --max-tokens 64 --repetition-penalty 1.2
