@@ -43,7 +43,7 @@ def test_serve_run_demo_config_as_written():
             try:
                 if requests.get("http://127.0.0.1:8000/v1/models", timeout=2).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # the proxy is up before the app
                 pass
             time.sleep(1)
         api = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused", max_retries=0)
