@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 class _Stream:
     queue: asyncio.Queue
     unfinished_samples: int
+    group_id: str  # the id the caller knows
+    engine_id: str  # the id the engine knows (see generate)
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -43,7 +47,9 @@ class AsyncEngineClient:
     def __init__(self, actor: ray.actor.ActorHandle, model_info: dict) -> None:
         self.actor = actor
         self.model_info = model_info
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # by engine id
+        self._engine_ids: dict[str, str] = {}  # group id -> engine id, while it streams
+        self._next_engine_seq = itertools.count()
         self._dead: str | None = None
         self._gone = asyncio.Event()  # set with _dead
         self._pump_task: asyncio.Task | None = None
@@ -78,16 +84,25 @@ class AsyncEngineClient:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         group_id = request.group_id
-        if group_id in self._streams:
+        if group_id in self._engine_ids:
             from raypaged.core.errors import InvalidRequestError
 
             raise InvalidRequestError(f"request id {group_id!r} is already in use")
-        stream = _Stream(asyncio.Queue(), request.sampling_params.n)
-        self._streams[group_id] = stream
+        # The engine knows the request by an id unique in this client ("<id>@<n>": the part after
+        # the last "@" differs between any two), so a caller may reuse an id at once: the records
+        # an abort of the earlier request still has on their way can never reach the new one,
+        # nor can the engine still hold that id.
+        engine_id = f"{group_id}@{next(self._next_engine_seq)}"
+        stream = _Stream(asyncio.Queue(), request.sampling_params.n, group_id, engine_id)
+        self._streams[engine_id] = stream
+        self._engine_ids[group_id] = engine_id
         finished = False
+        added = None
         try:
             try:
-                await self.actor.add_request.remote(request)
+                added = self.actor.add_request.remote(
+                    dataclasses.replace(request, request_id=engine_id, group_id=engine_id))
+                await added
             except ray.exceptions.RayActorError as e:
                 raise EngineDeadError(f"the engine is gone: {e}") from None
             except ray.exceptions.RayTaskError as e:
@@ -103,13 +118,32 @@ class AsyncEngineClient:
                         finished = True
                         return
         finally:
-            self._streams.pop(group_id, None)
-            if not finished and self._dead is None:
+            self._streams.pop(engine_id, None)
+            self._engine_ids.pop(group_id, None)
+            if not finished and self._dead is None and added is not None:
+                # Shielded: a caller cancelled again meanwhile does not stop the abort.
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self.actor.abort.remote([group_id]))
+                    await asyncio.shield(self._abort_once_added(added, engine_id))
 
-    async def abort(self, group_id: str) -> None:
-        await self.actor.abort.remote([group_id])
+    async def _abort_once_added(self, added: ray.ObjectRef, engine_id: str) -> None:
+        # The actor is threaded: an abort sent while the add is still on its way could run first,
+        # find nothing, and leave the request running for no one. Wait for the add (a refused
+        # one leaves nothing to abort).
+        with contextlib.suppress(Exception):
+            await added
+            await self.actor.abort.remote([engine_id])
+
+    async def abort(self, request_id: str) -> None:
+        """Abort by the id the caller knows: a group id (every sample), or f"{group}#{i}" (that
+        sample). An id that is not streaming here is ignored: it finished already."""
+        owner, sep, index = request_id.rpartition("#")
+        if request_id in self._engine_ids:
+            target = self._engine_ids[request_id]
+        elif sep and owner in self._engine_ids:
+            target = f"{self._engine_ids[owner]}#{index}"
+        else:
+            return
+        await self.actor.abort.remote([target])
 
     async def _pump(self) -> None:
         while True:
@@ -122,7 +156,10 @@ class AsyncEngineClient:
                 return
             for out in outputs:
                 stream = self._streams.get(out.group_id)
-                if stream is not None:
+                if stream is not None:  # else: a request that ended here already
+                    # Back to the caller's ids ("<engine id>#i" for sample i > 0).
+                    out.req_id = stream.group_id + out.req_id[len(stream.engine_id):]
+                    out.group_id = stream.group_id
                     stream.queue.put_nowait(out)
 
     def _fail_all(self, message: str) -> None:

@@ -212,7 +212,8 @@ def _nucleus_threshold(descending: torch.Tensor, top_p: torch.Tensor) -> tuple[t
     the prefix [S]. A token is in the nucleus iff the mass strictly before it is below top_p,
     so the most likely token always is."""
     mass_before = descending.cumsum(dim=-1) - descending
-    count = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+    # At least one: a top_p too small for float32 (e.g. 1e-50) reaches the device as 0.
+    count = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     complete = count.squeeze(1) < descending.shape[-1]
     return descending.gather(1, count - 1), complete
 
