@@ -225,15 +225,23 @@ class LaunchedServer:
                     pass
         return pids
 
-    def rss_bytes(self) -> int:
-        total = 0
+    def rss_by_process(self) -> dict[int, tuple[str, int]]:
+        """pid -> (name, RSS in bytes) of each process of the session (Ray names its workers
+        after their actor and task: ray::EngineActor.get_outputs, ray::RayWorkerActor…)."""
+        sizes = {}
         for pid in self.session_pids():
             try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
                 with open(f"/proc/{pid}/status") as f:
-                    total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-            except OSError:
-                pass
-        return total
+                    rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+            except OSError:  # gone meanwhile
+                continue
+            name = os.path.basename(argv[0].decode(errors="replace")) or "?"
+            if name.startswith("python") and len(argv) > 1:
+                name = " ".join(os.path.basename(a.decode(errors="replace")) for a in argv[1:4])
+            sizes[pid] = (name[:60], rss)
+        return sizes
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM, then the exit status (SIGKILL to everything left if it does not exit)."""
@@ -280,6 +288,7 @@ class Sampler:
         self.server = server
         self.interval_s = interval_s
         self.rss: list[tuple[float, int, int]] = []  # (seconds, requests done, bytes)
+        self.by_process: list[tuple[int, dict[int, tuple[str, int]]]] = []  # (requests done, per process)
         self.health: Counter = Counter()
         self.done = 0
         self._stop = threading.Event()
@@ -299,7 +308,9 @@ class Sampler:
 
         with Client(self.server.address) as client:
             while not self._stop.is_set():
-                self.rss.append((time.monotonic() - self._started, self.done, self.server.rss_bytes()))
+                done, sizes = self.done, self.server.rss_by_process()
+                self.rss.append((time.monotonic() - self._started, done, sum(rss for _, rss in sizes.values())))
+                self.by_process.append((done, sizes))
                 try:
                     self.health[client.health(timeout=5)] += 1
                 except RequestError as e:
@@ -308,14 +319,43 @@ class Sampler:
 
 
 def rss_summary(samples: list[tuple[float, int, int]], num_requests: int) -> dict:
-    """Memory after warm-up (the first 20% of requests) against the end of the run: a leak of a
-    few KiB per request shows as growth over the run; warm-up allocations do not."""
-    warm = [b for _, done, b in samples if done >= 0.2 * num_requests] or [b for *_, b in samples]
-    after_warmup, final, peak = warm[0], warm[-1], max(b for *_, b in samples)
+    """Memory after warm-up (the first 20% of requests) against the end of the run, and over the
+    second half alone: a leak grows with the requests served (the second half grows as much as
+    the first), warm-up does not. `curve` is (requests done, MiB) at about 20 points."""
     mib = 1024 * 1024
-    return {"after_warmup_mib": round(after_warmup / mib, 1), "final_mib": round(final / mib, 1),
-            "peak_mib": round(peak / mib, 1), "growth_mib": round((final - after_warmup) / mib, 1),
-            "samples": len(samples)}
+
+    def first_at(fraction: float) -> int:
+        return next((b for _, done, b in samples if done >= fraction * num_requests), samples[-1][2])
+
+    final, peak = samples[-1][2], max(b for *_, b in samples)
+    step = max(1, len(samples) // 20)
+    return {"after_warmup_mib": round(first_at(0.2) / mib, 1), "final_mib": round(final / mib, 1),
+            "peak_mib": round(peak / mib, 1), "growth_mib": round((final - first_at(0.2)) / mib, 1),
+            "growth_second_half_mib": round((final - first_at(0.5)) / mib, 1),
+            "samples": len(samples),
+            "curve": [(done, round(b / mib, 1)) for _, done, b in samples[::step]]}
+
+
+def growth_by_process(samples: list[tuple[int, dict[int, tuple[str, int]]]], num_requests: int) -> dict:
+    """MiB each process grew from the end of warm-up to the end, largest first (where the
+    memory goes if the total grows; processes started or gone meanwhile count from or to 0),
+    with the RSS curve (requests done, MiB) of the three that grew most."""
+    start = next((sizes for done, sizes in samples if done >= 0.2 * num_requests), samples[0][1])
+    end = samples[-1][1]
+    growth = {}
+    for pid in start.keys() | end.keys():
+        growth[pid] = (end.get(pid, ("", 0))[1] - start.get(pid, ("", 0))[1]) / 2**20
+    top = sorted(growth, key=lambda pid: -abs(growth[pid]))[:8]
+
+    def label(pid: int) -> str:
+        name, _ = end.get(pid) or start[pid]
+        return f"{name} {pid}" + ("" if pid in start and pid in end else " (new)" if pid in end else " (gone)")
+
+    step = max(1, len(samples) // 20)
+    return {"growth_mib": {label(pid): round(growth[pid], 1) for pid in top},
+            "curves_mib": {label(pid): [(done, round(sizes[pid][1] / 2**20, 1))
+                                        for done, sizes in samples[::step] if pid in sizes]
+                           for pid in top[:3]}}
 
 
 def run_soak(launch_args: list[str], config: SoakConfig, log=print) -> dict:
@@ -364,6 +404,7 @@ def summarize(config: SoakConfig, info, outcomes: list[Outcome], seconds: float,
                  ("kv_cache_blocks", "kv_cache_free_blocks", "num_requests_running", "num_requests_waiting")},
         "health_samples": dict(sampler.health),
         "rss": rss_summary(sampler.rss, len(outcomes)),
+        "rss_by_process": growth_by_process(sampler.by_process, len(outcomes)),
         "server_exit_code": exit_code, "processes_left": len(left),
     }
 

@@ -1,7 +1,7 @@
 """Faults under a live gRPC server with a TP=2 engine (CPU, gloo), seen from real clients.
 
-- A tensor-parallel worker killed with SIGKILL, `ray.kill`ed, or raising inside its step: the
-  engine restarts the whole group and recomputes; every client's stream goes on with no gap and
+- A tensor-parallel worker killed with SIGKILL, `ray.kill`ed, raising inside its step, or hung
+  in it (past step_timeout_s): the engine restarts the whole group and recomputes; every client's stream goes on with no gap and
   no repeated token (it equals transformers' greedy output), health stays SERVING, the pool ends
   whole.
 - A worker group that cannot come back (every restart fails): the streams in flight end with
@@ -36,6 +36,7 @@ from raypaged.frontend.supervisor import RestartPolicy
 
 NAME = "llama"
 MAX_TOKENS = 48
+STEP_TIMEOUT_S = 10.0  # a step (milliseconds here) slower than this is a hung worker group
 FAULTS_SURVIVED: Counter = Counter()  # reported at the end of the module
 
 
@@ -44,7 +45,8 @@ def server():
     init_ray()
     running = ServerThread(
         EngineConfig(model=str(checkpoint_dir(NAME)), device="cpu", tensor_parallel_size=2,
-                     block_size=8, num_gpu_blocks_override=64, max_num_seqs=4, max_worker_restarts=1),
+                     block_size=8, num_gpu_blocks_override=64, max_num_seqs=4, max_worker_restarts=1,
+                     step_timeout_s=STEP_TIMEOUT_S),
         ServerConfig(port=0, stats_interval_s=0.1, restart_policy=RestartPolicy(initial_backoff_s=0.5)),
         restart_engine=True)
     yield running
@@ -155,7 +157,21 @@ def raise_in_rank(server: ServerThread) -> None:
     ray.get(workers[1].__ray_call__.remote(arm), timeout=60)
 
 
-FAULTS = {"sigkill": kill_rank_with_sigkill, "ray_kill": kill_rank_with_ray_kill, "raise": raise_in_rank}
+def hang_in_rank(server: ServerThread) -> None:
+    """Rank 1's next step never returns (a wedged device, a deadlock)."""
+    def arm(actor) -> None:
+        def hanging(*args, **kwargs):
+            import time
+
+            time.sleep(3600)
+        actor.worker.execute_model = hanging
+
+    workers = engine_call(server, lambda actor: actor.core.executor.workers)
+    ray.get(workers[1].__ray_call__.remote(arm), timeout=60)
+
+
+FAULTS = {"sigkill": kill_rank_with_sigkill, "ray_kill": kill_rank_with_ray_kill, "raise": raise_in_rank,
+          "hang": hang_in_rank}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
