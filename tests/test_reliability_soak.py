@@ -51,7 +51,7 @@ def test_soak_small():
     config = SoakConfig(num_requests=300, concurrency=16, max_new_tokens=48, sample_interval_s=0.2,
                         request_bound_s=120, seed=1)
     result = run_soak(["--model", str(checkpoint_dir("llama")), "--device", "cpu",
-                       "--num-gpu-blocks-override", "48", "--max-num-seqs", "8"], config, log=lambda _: None)
+                       "--num-gpu-blocks-override", "24", "--max-num-seqs", "8"], config, log=lambda _: None)
     assert_nothing_lost(result, config)
     assert result["preemptions"] > 0  # a small pool: recompute preemption ran under the load too
 
