@@ -8,6 +8,7 @@ simply re-enters at its own key.
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 import itertools
 from collections import deque
 from typing import Iterator
@@ -15,28 +16,30 @@ from typing import Iterator
 from raypaged.core.request import Request
 
 
-class RequestQueue:
-    def add(self, request: Request) -> None:
-        raise NotImplementedError
+class RequestQueue(ABC):
+    """The interface the scheduler uses; FCFSQueue and PriorityQueue implement it."""
 
-    def add_preempted(self, request: Request) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def add(self, request: Request) -> None: ...
 
-    def peek(self) -> Request:
-        raise NotImplementedError
+    @abstractmethod
+    def add_preempted(self, request: Request) -> None: ...
 
-    def pop(self) -> Request:
-        raise NotImplementedError
+    @abstractmethod
+    def peek(self) -> Request: ...
 
-    def remove(self, request: Request) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def pop(self) -> Request: ...
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def remove(self, request: Request) -> None: ...
 
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
     def __iter__(self) -> Iterator[Request]:
         """In scheduling order."""
-        raise NotImplementedError
 
 
 class FCFSQueue(RequestQueue):
