@@ -83,7 +83,9 @@ class LLM:
         unfinished = set(results)
         while unfinished:
             for out in self.engine.step():
-                self._apply(results[out.group_id], out)
+                result = results.get(out.group_id)
+                if result is not None:  # else: the abort record of a sample an earlier call
+                    self._apply(result, out)  # ended on a stop string
             for request_id in [r for r in unfinished if results[r].finished]:
                 unfinished.discard(request_id)
                 progress.update(1)

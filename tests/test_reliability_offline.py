@@ -1,0 +1,27 @@
+"""The offline LLM API under repeated calls: a sample that one call ends on a stop string is
+aborted in the engine, and its abort record arrives during the next call; that call must ignore
+it (it raised KeyError) and return its own outputs, the pool whole after each call."""
+
+from __future__ import annotations
+
+from checkpoints import checkpoint_dir
+
+from raypaged import LLM, SamplingParams
+
+
+def test_calls_after_a_stop_string_ended_a_request():
+    llm = LLM(str(checkpoint_dir("llama")), device="cpu", num_gpu_blocks_override=64)
+    try:
+        [free_run] = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=12, temperature=0.0))
+        tokens = free_run.outputs[0].token_ids
+        stop = llm.tokenizer.decode(tokens[2:4])  # text the greedy run produces early
+        params = SamplingParams(max_tokens=40, temperature=0.0, stop=[stop], ignore_eos=True)
+        for _ in range(3):
+            [result] = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+            assert result.outputs[0].finish_reason == "stop"
+            assert stop not in result.outputs[0].text
+        llm.engine.step()  # the last abort record goes out; nothing is left
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.scheduler.kv_cache_manager.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.shutdown()
