@@ -313,6 +313,24 @@ def test_request_id_reused_right_after_a_cancel(server, channel):
     server.wait_pool_whole()
 
 
+def test_calls_cancelled_as_they_start_leave_nothing_running(server, channel):
+    """Calls cancelled at once or within a few ms, while their requests are on their way to the
+    engine: each is aborted there (no request runs on for no one, holding blocks)."""
+    message = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling_params=pb.SamplingParams(
+        max_tokens=200, temperature=0.0))
+    message.sampling_params.ignore_eos = True
+    payload = message.SerializeToString()
+    for i in range(30):
+        call = channel.unary_stream(GENERATE)(payload, timeout=60)
+        time.sleep(0.001 * (i % 10))
+        call.cancel()
+    wait_no_stream_in_flight(server)
+    # An orphan would run its 200 tokens for seconds; aborted requests are gone within a step.
+    server.wait_until(lambda s: s.num_running == 0 and s.num_waiting == 0, timeout=1.5,
+                      what="every cancelled request to leave the engine")
+    server.wait_pool_whole()
+
+
 # ---- malformed bytes ---------------------------------------------------------------------------
 
 def send_bytes(server: ServerThread, channel: grpc.Channel, method: str, payload: bytes) -> None:
