@@ -34,7 +34,7 @@ class FakeModelRunner:
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             if new.sampling_params.n != 1:
-                raise NotImplementedError("the fake runner samples one token per request (n=1)")
+                raise ValueError("the simulator's traces are n=1: its fake runner samples one token per request")
             self._num_tokens[new.req_id] = len(new.token_ids)
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
