@@ -53,12 +53,22 @@ class BenchRequest:
     output_len: int
 
 
-def sharegpt_requests(count: int, max_model_len: int, vocab_size: int, seed: int) -> list[BenchRequest]:
-    """The simulator's ShareGPT-like trace, its token ids folded into this model's vocabulary."""
-    trace = make_trace("sharegpt", count, max_model_len, seed=seed)
+def sharegpt_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
+                      max_total_len: int | None = None) -> list[BenchRequest]:
+    """The simulator's ShareGPT-like trace, its token ids folded into this model's vocabulary.
+    With max_total_len, requests whose prompt + output exceed it are skipped (as vLLM's
+    benchmark_throughput prunes ShareGPT at 2,048) and the trace drawn longer to keep `count`."""
+    drawn = count
+    while True:
+        trace = make_trace("sharegpt", drawn, max_model_len, seed=seed)
+        kept = [r for r in trace.requests
+                if max_total_len is None or r.prompt_len + r.output_len <= max_total_len]
+        if len(kept) >= count:
+            break
+        drawn = drawn * 2
     span = vocab_size - FIRST_ID
     return [BenchRequest([FIRST_ID + t % span for t in r.prompt_token_ids], r.output_len)
-            for r in trace.requests]
+            for r in kept[:count]]
 
 
 @dataclass
@@ -253,6 +263,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the shape's max_position_embeddings; what a contiguous "
                              "request reserves, and the cap on a trace request's length")
+    parser.add_argument("--max-total-len", type=int, default=None,
+                        help="skip trace requests whose prompt + output exceed this (vLLM's "
+                             "ShareGPT benchmark uses 2048); max_model_len is unchanged")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
@@ -323,7 +336,8 @@ def main() -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     shape = SHAPES[args.shape]
     max_model_len = args.max_model_len or shape["max_position_embeddings"]
-    requests = sharegpt_requests(args.num_requests, max_model_len, shape["vocab_size"], args.seed)
+    requests = sharegpt_requests(args.num_requests, max_model_len, shape["vocab_size"], args.seed,
+                                 args.max_total_len)
     result = {
         "env": environment(), "load_average_1_5_15min_at_start": os.getloadavg(),
         "shape": args.shape, "dtype": dtype_name, "args": vars(args),
