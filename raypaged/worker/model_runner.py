@@ -21,6 +21,7 @@ from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.sampler import Sampler, SamplingMetadata
 from raypaged.worker.sampling_metadata import needs_token_history
+from raypaged.worker.staging import DeviceStaging
 
 
 @dataclass
@@ -43,6 +44,17 @@ class CachedRequestState:
         return list(params.stop_token_ids) + eos
 
 
+@dataclass
+class StepInputs:
+    states: list[CachedRequestState]  # in step order: decodes first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor | None  # rows of the hidden states to sample; None: every row
+    row_states: list[CachedRequestState]  # per sampled row
+    sample_indices: list[int]  # per sampled row: which of the request's n samples
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, vocab_size: int, device: torch.device,
@@ -57,6 +69,7 @@ class ModelRunner:
         self.block_table = BlockTable(max_blocks_per_req=-(-max_model_len // block_size))
         self.sampler = Sampler(seed)
         self.decode_graphs: DecodeGraphs | None = None
+        self.staging = DeviceStaging(device)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
@@ -100,45 +113,76 @@ class ModelRunner:
             )
 
     # ---- building the step's inputs ------------------------------------------------------------
-    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[list[CachedRequestState], torch.Tensor,
-                                                            torch.Tensor, AttentionMetadata]:
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         # Single-token requests first: the decode kernel takes them, paged prefill the rest.
         scheduled = sorted(out.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
-        states = [self.requests[req_id] for req_id, _ in scheduled]
+        requests = self.requests
+        states = [requests[req_id] for req_id, _ in scheduled]
         counts = [n for _, n in scheduled]
         num_decodes = next((i for i, n in enumerate(counts) if n != 1), len(counts))
 
         input_ids: list[int] = []
         starts: list[int] = []
+        # Requests whose step reaches their last known token produce a sample; a prefill chunk
+        # that stops short of it does not.
+        sample_rows: list[int] = []  # index into the step's tokens of each sampled row's last token
+        row_states: list[CachedRequestState] = []
+        sample_indices: list[int] = []
+        cursor = 0
         for state, n in zip(states, counts):
             start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start : start + n])
+            tokens = state.token_ids
+            if n == 1:
+                input_ids.append(tokens[start])
+            else:
+                input_ids.extend(tokens[start : start + n])
             starts.append(start)
+            cursor += n
+            if start + n < len(tokens):
+                continue
+            # n > 1 samples are drawn from the prompt's logits once, then the request forks.
+            fan_out = state.sampling_params.n if len(tokens) == state.num_prompt_tokens else 1
+            for index in range(fan_out):
+                sample_rows.append(cursor - 1)
+                row_states.append(state)
+                sample_indices.append(index)
         num_tokens = len(input_ids)
         query_lens = np.array(counts, dtype=np.int64)
         query_start_loc = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         seq_lens = np.array(starts, dtype=np.int64) + query_lens
         # Each token's position: its request's start plus its index within this step's chunk.
-        positions = (np.arange(num_tokens) + np.repeat(np.array(starts) - query_start_loc[:-1], query_lens))
-        block_tables = self.block_table.gather(np.array([s.row for s in states]))
-        req_of_token = np.repeat(np.arange(len(counts)), query_lens)
-        slot_mapping = (block_tables[req_of_token, positions // self.block_size].astype(np.int64)
-                        * self.block_size + positions % self.block_size)
-
-        dev = self.device
+        if num_decodes == len(counts):
+            positions = seq_lens - 1
+            block_tables = self.block_table.gather(np.array([s.row for s in states]))
+            slot_mapping = (block_tables[np.arange(num_tokens), positions // self.block_size]
+                            .astype(np.int64) * self.block_size + positions % self.block_size)
+        else:
+            positions = (np.arange(num_tokens)
+                         + np.repeat(np.array(starts) - query_start_loc[:-1], query_lens))
+            block_tables = self.block_table.gather(np.array([s.row for s in states]))
+            req_of_token = np.repeat(np.arange(len(counts)), query_lens)
+            slot_mapping = (block_tables[req_of_token, positions // self.block_size].astype(np.int64)
+                            * self.block_size + positions % self.block_size)
+        # Every row sampled once, in order (a plain decode step): no gather of the hidden states.
+        all_rows = len(sample_rows) == num_tokens
+        ids_t, positions_t, slots_t, rows_t = self.staging.upload(
+            [np.array(input_ids, dtype=np.int64), positions, slot_mapping,
+             np.array([] if all_rows else sample_rows, dtype=np.int64)], torch.int64)
+        seq_lens_t, query_start_t, block_tables_t = self.staging.upload(
+            [seq_lens, query_start_loc, block_tables], torch.int32)
         metadata = AttentionMetadata(
-            slot_mapping=_to_device(slot_mapping, dev),
-            block_tables=_to_device(block_tables, dev),
-            seq_lens=_to_device(seq_lens.astype(np.int32), dev),
-            query_start_loc=_to_device(query_start_loc.astype(np.int32), dev),
+            slot_mapping=slots_t,
+            block_tables=block_tables_t,
+            seq_lens=seq_lens_t,
+            query_start_loc=query_start_t,
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_query_len=max(counts),
             max_seq_len=int(seq_lens.max()),
         )
-        ids = _to_device(np.array(input_ids, dtype=np.int64), dev)
-        return states, ids, _to_device(positions, dev), metadata
+        return StepInputs(states, ids_t, positions_t, metadata, None if all_rows else rows_t,
+                          row_states, sample_indices)
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -146,33 +190,20 @@ class ModelRunner:
         self._update_states(out)
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput() if self.is_driver else None
-        states, input_ids, positions, metadata = self._prepare_inputs(out)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(metadata):
-            hidden = self.decode_graphs.run(input_ids, positions, metadata)
+        step = self._prepare_inputs(out)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(step.metadata):
+            hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-
-        # Requests whose step reaches their last known token produce a sample; a prefill chunk
-        # that stops short of it does not.
-        sample_rows: list[int] = []  # index into hidden of each sampled row's last token
-        row_states: list[CachedRequestState] = []
-        sample_indices: list[int] = []
-        cursor = 0
-        for state, n in ((s, out.num_scheduled_tokens[s.req_id]) for s in states):
-            cursor += n
-            if state.num_computed_tokens + n < len(state.token_ids):
-                continue
-            # n > 1 samples are drawn from the prompt's logits once, then the request forks.
-            fan_out = state.sampling_params.n if len(state.token_ids) == state.num_prompt_tokens else 1
-            for index in range(fan_out):
-                sample_rows.append(cursor - 1)
-                row_states.append(state)
-                sample_indices.append(index)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)]) \
-            if sample_rows else None
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        row_states, sample_indices = step.row_states, step.sample_indices
+        logits = None
+        if row_states:
+            logits = self.model.compute_logits(hidden if step.sample_rows is None
+                                               else hidden[step.sample_rows])
         if not self.is_driver:
             return None
 
+        states = step.states
         result = ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
             sampled_token_ids=[[] for _ in states],
@@ -211,6 +242,4 @@ class ModelRunner:
         return result
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+
