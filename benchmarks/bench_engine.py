@@ -30,13 +30,15 @@ from common import (SHAPES, copy_bandwidth, environment, hf_random_model,  # noq
 
 from raypaged import LLM, SamplingParams  # noqa: E402
 
-def weight_bytes(shape: str, element: int) -> int:
+def weight_bytes(shape: str, element: int, batch: int) -> int:
+    """Weight bytes a decode step of `batch` tokens must read: every layer, the final norm and
+    the LM head once, but of the embedding table only the batch's rows (a 1 GB table at 8B)."""
     s = SHAPES[shape]
     h, i, layers, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     head_dim = h // s["num_attention_heads"]
     kv = s["num_key_value_heads"] * head_dim
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
-    return element * (layers * per_layer + 2 * v * h + h)
+    return element * (layers * per_layer + v * h + batch * h + h)
 
 
 def kv_bytes_per_token(shape: str, element: int) -> int:
@@ -143,7 +145,6 @@ def main() -> int:
                                                   args.output_len, vocab, dtype, device)
             print(f"transformers generate: {result['hf_generate']['output_tokens_per_s']:.0f} tok/s", flush=True)
         max_len = max(args.context + args.decode_steps + 16, args.prompt_len + args.output_len + 8)
-        weights = weight_bytes(args.shape, element)
         rows = []
         for index, executor in enumerate(args.executors.split(",")):
             if executor == "ray":
@@ -159,7 +160,7 @@ def main() -> int:
             result.setdefault("num_kv_blocks", llm.engine.num_blocks)
             for batch in batch_sizes:
                 step_ms = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab, device)
-                floor_ms = (weights + batch * args.context * kv_bytes_per_token(args.shape, element)) / bandwidth * 1e3
+                floor_ms = (weight_bytes(args.shape, element, batch) + batch * args.context * kv_bytes_per_token(args.shape, element)) / bandwidth * 1e3
                 rows.append({"executor": executor, "batch": batch, "context": args.context,
                              "step_ms": step_ms, "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms})
                 print(f"[{executor}] decode B={batch}: {step_ms:.2f} ms/step (floor {floor_ms:.2f} ms, "

@@ -138,7 +138,11 @@ def time_steps(args, device: torch.device) -> dict:
     model = load_model(config, dtype=torch.bfloat16, device=device, load_format="dummy")
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A decode step reads every weight once except the embedding table, of which it reads only
+    # the batch's rows (counted per batch below as part of the KV/activation bytes: negligible).
+    embedding = model.model.embed_tokens.weight
+    unread = 0 if model.lm_head.weight is embedding else embedding.numel() * embedding.element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - unread
 
     max_batch = max(args.batches)
     prefills = ((1, 512), (8, 512))
