@@ -8,7 +8,8 @@ block table) / time, against a device-to-device copy measured in the same run (r
 bytes / time), against torch SDPA on contiguous KV and against the same Triton kernel on
 contiguous KV (identity block table). Decode launches are timed as CUDA-graph replays (as a
 server runs them), rotating over enough distinct batches that the working set is >= 4x L2.
-Prefill: TFLOP/s of causal attention over 4k and 8k fresh tokens, against SDPA.
+Prefill: TFLOP/s of causal attention over 4k and 8k fresh tokens, against SDPA; the kernel gets
+the step's own k/v as the attention layer passes them (paged_prefill.CUDA_DEFAULT decides the path).
 
 --tune decode,prefill also sweeps tile sizes, warps, stages (and split counts) and records every
 timing.
@@ -33,6 +34,7 @@ import triton
 from triton.testing import do_bench
 
 from raypaged.kernels.paged_decode import choose_num_splits, default_launch_config, paged_decode_triton
+from raypaged.kernels.paged_prefill import CUDA_DEFAULT as PREFILL_VARIANT
 from raypaged.kernels.paged_prefill import default_launch_config as prefill_launch_config
 from raypaged.kernels.paged_prefill import paged_prefill_triton
 from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref
@@ -214,11 +216,16 @@ def bench_prefill(tokens: int, tune: bool) -> dict:
     args = (batch.k_cache, batch.v_cache, batch.block_tables, query_start_loc([tokens], "cuda"),
             batch.seq_lens, SCALE)
     flops = 4 * NUM_Q_HEADS * HEAD_DIM * tokens * (tokens + 1) / 2  # two matmuls, causal half
-    row = {"tokens": tokens, "flops": flops, "config": prefill_launch_config(HEAD_DIM, DTYPE, q.device)}
+    # The step's own k/v, as the attention layer passes them: the default config decides
+    # whether the new tokens are read from them or through the block table.
+    step_kv = {"k_new": batch.keys[0], "v_new": batch.values[0]}
+    row = {"tokens": tokens, "flops": flops, "variant": PREFILL_VARIANT,
+           "config": prefill_launch_config(HEAD_DIM, DTYPE, q.device)}
     row["max_rel_err"] = check_against_reference(
-        paged_prefill_triton(q, *args), lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), DTYPE)
+        paged_prefill_triton(q, *args, **step_kv),
+        lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), DTYPE)
     out = torch.empty_like(q)
-    row["triton_s"] = do_bench(lambda: paged_prefill_triton(q, *args, out=out),
+    row["triton_s"] = do_bench(lambda: paged_prefill_triton(q, *args, out=out, **step_kv),
                                warmup=50, rep=400, return_mode="median") / 1e3
 
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, T, D]
@@ -253,9 +260,9 @@ def bench_prefill(tokens: int, tune: bool) -> dict:
             config = dict(block_m=block_m, block_n=block_n, num_warps=num_warps,
                           num_stages=num_stages, pack_gqa=pack_gqa)
             try:
-                check_against_reference(paged_prefill_triton(q, *args, **config),
+                check_against_reference(paged_prefill_triton(q, *args, **step_kv, **config),
                                         lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), DTYPE)
-                seconds = do_bench(lambda: paged_prefill_triton(q, *args, out=out, **config),
+                seconds = do_bench(lambda: paged_prefill_triton(q, *args, out=out, **step_kv, **config),
                                    warmup=25, rep=150, return_mode="median") / 1e3
                 row["sweep"].append({"config": config, "seconds": seconds, "TFLOPs": flops / seconds / 1e12})
             except Exception as exc:

@@ -95,8 +95,16 @@ def paged_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention of new tokens q [T, Hq, D] over cached prefix + themselves."""
+    """Varlen causal attention of new tokens q [T, Hq, D] over cached prefix + themselves.
+
+    k_new / v_new [T, Hkv, D]: the step's keys/values just written for q's tokens. Optional;
+    the Triton kernel reads the new tokens from them instead of through the block table (the
+    reference reads the cache either way).
+    """
     if backend_for(q) == "torch":
         result = reference.paged_prefill_ref(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
@@ -105,7 +113,8 @@ def paged_prefill(
     from .paged_prefill import paged_prefill_triton
 
     return paged_prefill_triton(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
+        k_new=k_new, v_new=v_new,
     )
 
 

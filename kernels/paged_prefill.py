@@ -3,14 +3,21 @@
 One kernel serves first prefill, chunked prefill and prefix-cache hits: request s has
 seq_lens[s] positions in the cache, the last q_len_s of which are its new tokens (already
 written). Flash-attention style: a program owns BLOCK_M new tokens of one request and one query
-head, and streams that request's K/V in BLOCK_N-token tiles through the block table with an
-online softmax. Tiles wholly before the program's first query need no causal mask and run in a
-separate loop; only the diagonal tiles pay for masking.
+head, and streams that request's K/V in BLOCK_N-token tiles with an online softmax.
 
-The grid is (num_q_heads, num_tokens // BLOCK_M + num_seqs): the second is an upper bound on the query tiles
-of any varlen batch of that many tokens and requests, so it depends on shapes only. Request s
-owns tile indices from query_start_loc[s] // BLOCK_M + s on; each program finds its request by
-binary search and exits if its tile is past the request's tokens.
+Where the keys come from (NEW_KV):
+  "cache": every key through the block table (per-row gathers, cp.async on Hopper).
+  "ptr" / "tma": the cached prefix through the block table, the new tokens from the step's own
+    contiguous k/v [T, Hkv, D] (the layer has them in hand before writing them into the pool),
+    with plain pointers or with TMA tensor descriptors. A first prefill is all new tokens, so it
+    never touches the table. This is how vLLM's Triton prefix-prefill kernel splits the work.
+Each source runs an unmasked loop over the tiles every row of the program sees in full (no
+causal mask, no bounds checks) and a masked loop over the rest (the diagonal, a ragged end).
+
+The grid is (num_q_heads, num_tokens // BLOCK_M + num_seqs): the second is an upper bound on the
+query tiles of any varlen batch of that many tokens and requests, so it depends on shapes only.
+Request s owns tile indices from query_start_loc[s] // BLOCK_M + s on; each program finds its
+request by binary search and exits if its tile is past the request's tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +29,13 @@ import triton.language as tl
 from .triton_common import LOG2_E, dot, dot_mode
 from .validation import check_prefill_inputs, output_for
 
+try:  # host-side TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the "tma" source falls back to "ptr"
+    TensorDescriptor = None
+
+NEW_KV_SOURCES = {"cache": 0, "ptr": 1, "tma": 2}
+
 
 @triton.jit
 def _load_tile(ptrs, mask, MASKED: tl.constexpr):
@@ -32,92 +46,113 @@ def _load_tile(ptrs, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_row,
-    head_offset,
-    query_pos,
-    kv_from,
-    kv_to,
-    scale_log2,
-    stride_cache_block,
-    stride_cache_slot,
-    dims,
-    dim_ok,
-    CAUSAL: tl.constexpr,
-    EVEN_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_MODE: tl.constexpr,
-):
-    """Online-softmax update over key positions [kv_from, kv_to).
+def _softmax_update(acc, m_i, l_i, q, k, v, qk_keep, scale_log2, MASKED: tl.constexpr,
+                    DOT_MODE: tl.constexpr):
+    """One online-softmax step over a K/V tile. qk_keep (MASKED only): which scores count."""
+    qk = dot(q, tl.trans(k), DOT_MODE)
+    if MASKED:
+        qk = tl.where(qk_keep, qk, float("-inf"))
+    # Scaling folded into one FMA per score. Every valid row sees at least one key in its
+    # first tile (key 0 or its own position), so m_new is finite from the first tile on.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    p = tl.exp2(qk * scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
+    return acc, m_new, l_i
 
-    CAUSAL=False is the hot loop over whole tiles that every query sees: no masks at all.
-    CAUSAL=True handles the diagonal: keys past kv_to or after a row's own position are masked.
-    """
+
+@triton.jit
+def _attend_paged(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
+                  kv_from, kv_to, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
+                  MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr):
+    """Keys [kv_from, kv_to) through the block table. MASKED: bounds + causal masks."""
     for tile_start in range(kv_from, kv_to, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_ok = key_pos < kv_to
         # Masked lanes never load: unused slots and table entries may hold anything (NaN).
-        blocks = _load_tile(table_row + key_pos // BLOCK_SIZE, key_ok, CAUSAL)
+        blocks = _load_tile(table_row + key_pos // BLOCK_SIZE, key_ok, MASKED)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        MASK_KV: tl.constexpr = CAUSAL or not EVEN_DIM
-        offsets = blocks.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+        MASK_KV: tl.constexpr = MASKED or not EVEN_DIM
+        slots = (key_pos % BLOCK_SIZE) * stride_cache_slot
+        offsets = blocks.to(tl.int64) * stride_cache_block + slots
         kv_ptrs = (offsets + head_offset)[:, None] + dims[None, :]
         k = _load_tile(k_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
-        qk = dot(q, tl.trans(k), DOT_MODE)
-        if CAUSAL:
-            visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-        # Scaling folded into one FMA per score. Every row sees key 0 or its own position in its
-        # first tile, so m_new is finite from the first tile on.
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-        p = tl.exp2(qk * scale_log2 - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
-        m_i = m_new
+        keep = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _new_tile(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
+              query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
+              MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+              SOURCE: tl.constexpr, DOT_MODE: tl.constexpr):
+    key_pos = tile_start + tl.arange(0, BLOCK_N)
+    key_ok = key_pos < kv_to
+    if SOURCE == 2:
+        # TMA: one descriptor load per tile. Rows past kv_to belong to the next request (or
+        # past T: zeros); their scores are masked, and V is zeroed so 0 * garbage stays 0.
+        row = row_base + tile_start
+        k = k_desc.load([row, desc_col])
+        v = v_desc.load([row, desc_col])
+        if MASKED:
+            v = tl.where(key_ok[:, None], v, 0.0)
+    else:
+        rows = (row_base + key_pos).to(tl.int64) * stride_new_tok
+        ptrs = rows[:, None] + dims[None, :]
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        MASK_KV: tl.constexpr = MASKED or not EVEN_DIM
+        k = _load_tile(k_new_ptr + ptrs, kv_mask, MASK_KV)
+        v = _load_tile(v_new_ptr + ptrs, kv_mask, MASK_KV)
+    keep = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
+    return _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE)
+
+
+@triton.jit
+def _attend_new(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
+                query_pos, kv_from, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
+                MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                SOURCE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_MODE: tl.constexpr):
+    """Keys [kv_from, kv_to) (sequence positions) from the step's contiguous k/v rows
+    row_base + position. WARP_SPECIALIZE asks the compiler to split loads / MMA / softmax
+    into warp groups (documented for Blackwell; tried on Hopper by the tune script)."""
+    if WARP_SPECIALIZE:
+        for tile_start in tl.range(kv_from, kv_to, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _new_tile(
+                acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
+                query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
+                MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE)
+    else:
+        for tile_start in range(kv_from, kv_to, BLOCK_N):
+            acc, m_i, l_i = _new_tile(
+                acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
+                query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
+                MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    scale_log2,
-    num_seqs,
-    stride_q_tok,
-    stride_q_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    stride_table_seq,
-    stride_out_tok,
-    stride_out_head,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    k_new_ptr, v_new_ptr, k_desc, v_desc,
+    scale_log2, num_seqs,
+    stride_q_tok, stride_q_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_table_seq, stride_out_tok, stride_out_head,
+    stride_new_tok, stride_new_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr, NEW_KV: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):
     # A program owns BLOCK_M rows = TILE_TOKENS new tokens x HEADS_PER_PROGRAM query heads of
     # one KV head (row r: token r // HEADS_PER_PROGRAM, head r % HEADS_PER_PROGRAM), so with
     # HEADS_PER_PROGRAM = GROUP each K/V tile is loaded once for the whole GQA group.
     TILE_TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_PROGRAM
+    EVEN_DIM: tl.constexpr = HEAD_DIM == DIM_PAD
     # Heads vary fastest and tiles run latest-first: under causality the latest tiles stream
     # the most keys, so the heaviest work starts first and the tail is short.
     first_head = tl.program_id(0) * HEADS_PER_PROGRAM
@@ -159,20 +194,43 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    head_offset = (first_head // GROUP).to(tl.int64) * stride_cache_head
-    # Every key before the tile's first query is visible to all its rows.
-    unmasked_end = ((prefix_len + m_start) // BLOCK_N) * BLOCK_N
+    kv_head = first_head // GROUP
+    head_offset = kv_head.to(tl.int64) * stride_cache_head
     kv_end = prefix_len + tl.minimum(m_start + TILE_TOKENS, q_len)
-    acc, m_i, l_i = _attend_tiles(
+    if NEW_KV == 0:
+        # All keys through the table. Every key before the tile's first query is visible to
+        # all its rows; the rest is the diagonal.
+        paged_split = ((prefix_len + m_start) // BLOCK_N) * BLOCK_N
+        paged_end = kv_end
+    else:
+        # Only the cached prefix through the table. It is visible to every new token: only its
+        # ragged end needs a mask.
+        paged_split = (prefix_len // BLOCK_N) * BLOCK_N
+        paged_end = prefix_len
+    acc, m_i, l_i = _attend_paged(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
-        0, unmasked_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        CAUSAL=False, EVEN_DIM=HEAD_DIM == DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
-    )
-    acc, m_i, l_i = _attend_tiles(
+        0, paged_split, scale_log2, stride_cache_block,
+        stride_cache_slot, dims, dim_ok, False, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE)
+    acc, m_i, l_i = _attend_paged(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
-        unmasked_end, kv_end, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        CAUSAL=True, EVEN_DIM=HEAD_DIM == DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_MODE=DOT_MODE,
-    )
+        paged_split, paged_end, scale_log2, stride_cache_block,
+        stride_cache_slot, dims, dim_ok, True, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE)
+    if NEW_KV != 0:
+        # New tokens: tiles start at prefix_len, so with BLOCK_N | TILE_TOKENS the diagonal is
+        # exactly the program's own tokens and everything before it runs unmasked.
+        new_unmasked_end = prefix_len + (m_start // BLOCK_N) * BLOCK_N
+        row_base = q_start - prefix_len  # row of sequence position p in k_new / v_new
+        k_head_ptr = k_new_ptr + kv_head.to(tl.int64) * stride_new_head
+        v_head_ptr = v_new_ptr + kv_head.to(tl.int64) * stride_new_head
+        desc_col = kv_head * HEAD_DIM
+        acc, m_i, l_i = _attend_new(
+            acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
+            prefix_len, new_unmasked_end, scale_log2, stride_new_tok,
+            dims, dim_ok, False, EVEN_DIM, BLOCK_N, NEW_KV, WARP_SPECIALIZE, DOT_MODE)
+        acc, m_i, l_i = _attend_new(
+            acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
+            new_unmasked_end, kv_end, scale_log2, stride_new_tok,
+            dims, dim_ok, True, EVEN_DIM, BLOCK_N, NEW_KV, False, DOT_MODE)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -182,20 +240,68 @@ def _prefill_kernel(
     )
 
 
-def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tile sizes, warps, stages and GQA packing.
+# Named launch configurations. scripts/gpu_prefill_tune.sh checks and times every one of them on
+# the H200; CUDA_DEFAULT picks the one used for 16-bit inputs on CUDA (one line to change).
+VARIANTS: dict[str, dict] = {
+    # The previous default: H200 sweep (kernels_h200_tune_prefill.json) best of 14, 363 / 392
+    # TFLOP/s at 4k / 8k tokens; tile sizes, warps, stages and GQA packing all land 350-365.
+    "baseline": dict(new_kv="cache", block_m=128, block_n=128, num_warps=8, num_stages=3),
+    "ptr": dict(new_kv="ptr", block_m=128, block_n=128, num_warps=8, num_stages=3),
+    "ptr_n64_w4": dict(new_kv="ptr", block_m=128, block_n=64, num_warps=4, num_stages=3),
+    "tma": dict(new_kv="tma", block_m=128, block_n=128, num_warps=8, num_stages=3),
+    "tma_s2": dict(new_kv="tma", block_m=128, block_n=128, num_warps=8, num_stages=2),
+    "tma_s4": dict(new_kv="tma", block_m=128, block_n=128, num_warps=8, num_stages=4),
+    "tma_n64_w4": dict(new_kv="tma", block_m=128, block_n=64, num_warps=4, num_stages=3),
+    "tma_n64_w4_s4": dict(new_kv="tma", block_m=128, block_n=64, num_warps=4, num_stages=4),
+    "tma_n64_w8": dict(new_kv="tma", block_m=128, block_n=64, num_warps=8, num_stages=3),
+    "tma_pack": dict(new_kv="tma", block_m=128, block_n=128, num_warps=8, num_stages=3,
+                     pack_gqa=True),
+    "tma_ws": dict(new_kv="tma", block_m=128, block_n=128, num_warps=8, num_stages=3,
+                   warp_specialize=True),
+}
+CUDA_DEFAULT = "baseline"
+_COMMON = {"pack_gqa": False, "warp_specialize": False}
 
-    H200, bf16, d 128 (benchmarks/results/kernels_h200_tune_prefill.json): 128x128 tiles with
-    8 warps and 3 stages were best of 14 at 4k and 8k tokens (363 / 392 TFLOP/s; 128x64 with
-    8 warps: 316 / 328). Packing the GQA group into one program changed nothing beyond noise
-    (+-1%), so it stays off. The CPU interpreter pays per program and per loop step, not per
-    element: big tiles there.
+
+def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Source of the new tokens' K/V, tile sizes, warps, stages, GQA packing.
+
+    The CPU interpreter pays per program and per loop step, not per element: big tiles there;
+    it runs the TMA source too (descriptor loads are emulated), so tests cover that path.
     """
     if device.type != "cuda":
-        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1, "pack_gqa": False}
+        return {**_COMMON, "new_kv": "tma", "block_m": 64, "block_n": 64, "num_warps": 4,
+                "num_stages": 1}
     if dtype == torch.float32:
-        return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2, "pack_gqa": False}
-    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "pack_gqa": False}
+        return {**_COMMON, "new_kv": "ptr", "block_m": 32, "block_n": 32, "num_warps": 4,
+                "num_stages": 2}
+    return {**_COMMON, **VARIANTS[CUDA_DEFAULT]}
+
+
+def _new_kv_usable(k_new, v_new, k_cache, q) -> bool:
+    """The step's own k/v can stand in for the new tokens' cache slots (same values, layout)."""
+    if k_new is None or v_new is None:
+        return False
+    expected = (q.shape[0], *k_cache.shape[2:])
+    for t in (k_new, v_new):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"k_new/v_new must be {expected}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"k_new/v_new on {t.device}, expected {q.device}")
+    # The kernel shares one (token, head) stride pair between k_new and v_new.
+    return (k_new.dtype == v_new.dtype == k_cache.dtype and k_new.stride() == v_new.stride()
+            and k_new.stride(2) == 1)
+
+
+def _descriptor(t: torch.Tensor, block_n: int) -> "TensorDescriptor | None":
+    """[T, Hkv, D] as a 2-D [T, Hkv*D] TMA descriptor of [block_n, D] boxes, or None if the
+    layout cannot be described (TMA needs 16-byte aligned base and row stride)."""
+    tokens, heads, dim = t.shape
+    if TensorDescriptor is None or t.stride(1) != dim or t.element_size() == 4:
+        return None
+    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or dim & (dim - 1):
+        return None
+    return TensorDescriptor(t, [tokens, heads * dim], [t.stride(0), 1], [block_n, dim])
 
 
 def paged_prefill_triton(
@@ -208,16 +314,24 @@ def paged_prefill_triton(
     scale: float,
     out: torch.Tensor | None = None,
     *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    variant: str | None = None,
+    new_kv: str | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     pack_gqa: bool | None = None,
+    warp_specialize: bool | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention, q [T, Hq, D] -> [T, Hq, D]. No host synchronisation.
 
-    block_m / block_n / num_warps / num_stages / pack_gqa (one program per GQA group rather
-    than per query head) override the tuned defaults (benchmarks, tests).
+    k_new / v_new [T, Hkv, D]: this step's keys/values, the same values that were written into
+    the cache for q's tokens. Given, the new tokens are read from them rather than through the
+    block table (when the chosen config says so); absent, everything comes from the cache.
+    variant names an entry of VARIANTS; the other keywords override single settings (tests,
+    benchmarks).
     """
     check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -227,30 +341,33 @@ def paged_prefill_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     config = default_launch_config(head_dim, q.dtype, q.device)
-    block_m = block_m or config["block_m"]
-    block_n = block_n or config["block_n"]
+    if variant is not None:
+        config = {**_COMMON, **VARIANTS[variant]}
+    overrides = dict(new_kv=new_kv, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                     num_stages=num_stages, pack_gqa=pack_gqa, warp_specialize=warp_specialize)
+    config.update({k: v for k, v in overrides.items() if v is not None})
+    if config["new_kv"] not in NEW_KV_SOURCES:
+        raise ValueError(f"new_kv must be one of {tuple(NEW_KV_SOURCES)}, got {config['new_kv']!r}")
+    source = config["new_kv"] if _new_kv_usable(k_new, v_new, k_cache, q) else "cache"
+    block_m, block_n = config["block_m"], config["block_n"]
+    k_desc = v_desc = None
+    if source == "tma":
+        k_desc, v_desc = _descriptor(k_new, block_n), _descriptor(v_new, block_n)
+        if k_desc is None or v_desc is None:
+            source = "ptr"
+    if source == "cache":
+        k_new = v_new = None
     group = num_q_heads // num_kv_heads
-    pack_gqa = config["pack_gqa"] if pack_gqa is None else pack_gqa
-    heads_per_program = group if pack_gqa and block_m % group == 0 else 1
+    heads_per_program = group if config["pack_gqa"] and block_m % group == 0 else 1
     grid = (num_q_heads // heads_per_program, num_tokens // (block_m // heads_per_program) + num_seqs)
     _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        out,
-        scale * LOG2_E,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        k_new, v_new, k_desc, v_desc,
+        scale * LOG2_E, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        *(k_new.stride()[:2] if k_new is not None else (0, 0)),
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
@@ -258,8 +375,10 @@ def paged_prefill_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEADS_PER_PROGRAM=heads_per_program,
+        NEW_KV=NEW_KV_SOURCES[source],
+        WARP_SPECIALIZE=bool(config["warp_specialize"]) and source != "cache",
         DOT_MODE=dot_mode(q),
-        num_warps=num_warps or config["num_warps"],
-        num_stages=num_stages or config["num_stages"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out

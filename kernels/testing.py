@@ -168,3 +168,25 @@ def check_against_reference(out: torch.Tensor, reference_fn, dtype: torch.dtype)
     if not error <= limit:
         raise AssertionError(f"relative error {error:.3g} > {limit:.3g} ({dtype})")
     return error
+
+
+def new_token_kv(
+    batch: PagedBatch, query_lens: list[int], *, poison_cache: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's k/v [T, Hkv, D]: the last query_lens[s] positions of each request.
+
+    poison_cache: also fill those positions' cache slots with NaN, so a kernel told to read the
+    new tokens from k/v fails if it reads them through the block table instead.
+    """
+    keys, values = [], []
+    for s, q_len in enumerate(query_lens):
+        length = batch.keys[s].shape[0]
+        keys.append(batch.keys[s][length - q_len :])
+        values.append(batch.values[s][length - q_len :])
+        if poison_cache and q_len:
+            positions = torch.arange(length - q_len, length, device=batch.k_cache.device)
+            blocks = batch.block_tables[s, positions // batch.block_size].long()
+            offsets = positions % batch.block_size
+            batch.k_cache[blocks, offsets] = float("nan")
+            batch.v_cache[blocks, offsets] = float("nan")
+    return torch.cat(keys), torch.cat(values)

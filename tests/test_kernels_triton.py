@@ -20,10 +20,11 @@ import torch
 
 from raypaged.kernels import ops
 from raypaged.kernels.paged_decode import choose_num_splits, paged_decode_triton
-from raypaged.kernels.paged_prefill import paged_prefill_triton
+from raypaged.kernels.paged_prefill import VARIANTS, paged_prefill_triton
 from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref, write_kv_ref
 from raypaged.kernels.testing import (
     check_against_reference,
+    new_token_kv,
     query_start_loc,
     random_paged_batch,
     relative_error_per_row,
@@ -50,7 +51,10 @@ def check_decode(seq_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
 
 
 def check_prefill(seq_lens, query_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
-                  dtype=torch.float32, device="cpu", seed=0, **kernel_args):
+                  dtype=torch.float32, device="cpu", seed=0, new_kv=None, fused_qkv=False,
+                  **kernel_args):
+    """new_kv "ptr"/"tma": pass this step's k/v and poison their cache slots with NaN, so the
+    new tokens must come from k/v; fused_qkv: q, k, v as strided views of one [T, Hq+2Hkv, D]."""
     gen = torch.Generator().manual_seed(seed)
     batch = random_paged_batch(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
                                generator=gen)
@@ -60,10 +64,17 @@ def check_prefill(seq_lens, query_lens, group, *, num_kv_heads=2, head_dim=64, b
     out = torch.full_like(q, float("nan"))
     args = (batch.k_cache, batch.v_cache, batch.block_tables,
             query_start_loc(query_lens, device), batch.seq_lens, scale)
+    # References first: poisoning the new tokens' slots would poison them too.
+    refs = {cd: paged_prefill_ref(q, *args, compute_dtype=cd) for cd in {torch.float32, dtype}}
+    if new_kv is not None:
+        k_new, v_new = new_token_kv(batch, query_lens, poison_cache=True)
+        if fused_qkv:
+            qkv = torch.cat([q, k_new, v_new], dim=1)
+            hq = q.shape[1]
+            q, k_new, v_new = qkv[:, :hq], qkv[:, hq:hq + num_kv_heads], qkv[:, hq + num_kv_heads:]
+        kernel_args.update(k_new=k_new, v_new=v_new, new_kv=new_kv)
     paged_prefill_triton(q, *args, out=out, **kernel_args)
-    check_against_reference(
-        out, lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), dtype
-    )
+    check_against_reference(out, refs.__getitem__, dtype)
 
 
 # ---------------------------------------------------------------- decode
@@ -150,6 +161,54 @@ def test_prefill_half_precision(dtype, block_size):
     check_prefill([100, 513], [100, 64], 4, head_dim=128, dtype=dtype, block_size=block_size)
 
 
+CHUNKED_MIX = ([17, 100, 40, 9, 513], [17, 37, 1, 0, 100])  # fresh, chunk, 1 token, none, hit
+
+
+@pytest.mark.parametrize("group, pack_gqa", [(1, False), (4, False), (8, False), (8, True)])
+def test_prefill_new_tokens_from_step_kv_fp32(group, pack_gqa):
+    # fp32 cannot use TMA (tf32 boxes): "tma" falls back to plain pointers.
+    check_prefill(*CHUNKED_MIX, group, seed=group, pack_gqa=pack_gqa, new_kv="tma")
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, group, new_kv, fused",
+    [(torch.bfloat16, 128, 16, 4, "tma", True), (torch.float16, 64, 8, 8, "tma", False),
+     (torch.bfloat16, 64, 32, 1, "ptr", True), (torch.float16, 128, 16, 4, "ptr", False)],
+)
+def test_prefill_new_tokens_from_step_kv_half(dtype, head_dim, block_size, group, new_kv, fused):
+    check_prefill(*CHUNKED_MIX, group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                  new_kv=new_kv, fused_qkv=fused)
+
+
+@pytest.mark.parametrize("block_m, block_n, block_size", [(16, 16, 32), (16, 32, 8), (32, 16, 16)])
+@pytest.mark.parametrize("new_kv", ["ptr", "tma"])
+def test_prefill_step_kv_tile_shapes(block_m, block_n, block_size, new_kv):
+    # block_n > block_m: the diagonal spans tiles that start before the program's first token.
+    check_prefill([1, 45, 70], [1, 45, 33], 2, block_size=block_size, dtype=torch.bfloat16,
+                  block_m=block_m, block_n=block_n, new_kv=new_kv)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefill_every_tuned_variant(variant):
+    # What the GPU tune script times, at interpreter size: a fresh prefill and a prefix hit.
+    check_prefill([300, 200], [300, 70], 4, head_dim=128, dtype=torch.bfloat16, new_kv="tma",
+                  fused_qkv=True, variant=variant)
+
+
+def test_prefill_without_step_kv_or_unusable_step_kv_reads_the_cache():
+    batch = random_paged_batch([40], 2, 64, 16)
+    q = torch.randn(40, 4, 64)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, query_start_loc([40]),
+            batch.seq_lens, 0.125)
+    expected = paged_prefill_ref(q, *args)
+    k_new, v_new = new_token_kv(batch, [40])
+    for kv in [(None, None), (k_new.half(), v_new.half())]:  # dtype differs from the cache
+        out = paged_prefill_triton(q, *args, k_new=kv[0], v_new=kv[1], new_kv="tma")
+        assert relative_error_per_row(out, expected).max() <= 1e-4
+    with pytest.raises(ValueError, match="k_new/v_new must be"):
+        paged_prefill_triton(q, *args, k_new=k_new[:3], v_new=v_new[:3])
+
+
 # ---------------------------------------------------------------- KV write
 
 
@@ -207,6 +266,14 @@ def test_decode_and_prefill_offsets_past_int32(huge_pool_batch):
     out = paged_prefill_triton(qp, *pargs)
     check_against_reference(out, lambda cd: paged_prefill_ref(qp, *pargs, compute_dtype=cd),
                              torch.float16)
+    # A prefix hit: prefix through the table (offsets past int32), new tokens from k/v.
+    qlens = [40, 1, 10]
+    qe = torch.randn(51, 4, 64, dtype=torch.float16)
+    eargs = (*pargs[:3], query_start_loc(qlens), b.seq_lens, 0.125)
+    k_new, v_new = new_token_kv(b, qlens)
+    out = paged_prefill_triton(qe, *eargs, k_new=k_new, v_new=v_new, new_kv="tma")
+    check_against_reference(out, lambda cd: paged_prefill_ref(qe, *eargs, compute_dtype=cd),
+                             torch.float16)
 
 
 def test_write_kv_offsets_past_int32(huge_pool_batch):
@@ -233,10 +300,13 @@ def test_ops_dispatch_to_triton():
         pargs = (batch.k_cache, batch.v_cache, batch.block_tables, query_start_loc([12, 30]),
                  batch.seq_lens, 0.125)
         prefill = ops.paged_prefill(qp, *pargs)
+        k_new, v_new = new_token_kv(batch, [12, 30])
+        from_step_kv = ops.paged_prefill(qp, *pargs, k_new=k_new, v_new=v_new)
     finally:
         ops.set_backend("auto")
     assert relative_error_per_row(out, paged_decode_ref(q, *args)).max() <= 1e-4
     assert relative_error_per_row(prefill, paged_prefill_ref(qp, *pargs)).max() <= 1e-4
+    assert relative_error_per_row(from_step_kv, paged_prefill_ref(qp, *pargs)).max() <= 1e-4
 
 
 def test_launchers_reject_bad_input_before_launching():
@@ -271,8 +341,9 @@ def test_exhaustive_grid(dtype, head_dim, block_size, group):
     for num_splits in (1, 2, 8):
         check_decode(ODD_LENS, group, head_dim=head_dim, block_size=block_size, dtype=dtype,
                      num_splits=num_splits, seed=seed)
-    check_prefill([513, 100, 17, 1], [200, 100, 5, 1], group, head_dim=head_dim,
-                  block_size=block_size, dtype=dtype, seed=seed)
+    for new_kv in (None, "tma"):
+        check_prefill([513, 100, 17, 1], [200, 100, 5, 1], group, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, seed=seed, new_kv=new_kv)
 
 
 # ---------------------------------------------------------------- on the GPU (bf16)
@@ -297,9 +368,10 @@ def test_gpu_decode_bf16(group, block_size):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_prefill_bf16(group, head_dim):
     for pack_gqa in (False, True):
-        check_prefill([1, 17, 513, 2100, 900], [1, 17, 300, 2100, 1], group, num_kv_heads=4,
-                      head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=group,
-                      pack_gqa=pack_gqa)
+        for new_kv in (None, "ptr", "tma"):
+            check_prefill([1, 17, 513, 2100, 900], [1, 17, 300, 2100, 1], group, num_kv_heads=4,
+                          head_dim=head_dim, dtype=torch.bfloat16, device="cuda", seed=group,
+                          pack_gqa=pack_gqa, new_kv=new_kv, fused_qkv=new_kv == "tma")
 
 
 @pytest.mark.gpu

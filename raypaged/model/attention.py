@@ -114,5 +114,8 @@ class PagedAttention(nn.Module):
                 meta.prefill_seq_lens,
                 self.scale,
                 out=out[num_decode_tokens:],
+                # The kernel may read the new tokens' K/V from here rather than the pool.
+                k_new=key[num_decode_tokens:],
+                v_new=value[num_decode_tokens:],
             )
         return out
