@@ -111,7 +111,8 @@ class LLM:
         sample = result.outputs[out.sample_index]
         if sample.finished:  # e.g. stopped on a stop string, its abort record arriving late
             return
-        result.num_cached_tokens = out.num_cached_tokens
+        if out.num_cached_tokens is not None:  # sent on a request's first and last records only
+            result.num_cached_tokens = out.num_cached_tokens
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + list(out.new_logprobs)

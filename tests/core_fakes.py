@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from raypaged.core.kv_cache_manager import KVCacheManager, cdiv
-from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.core.request import Request, RequestStatus
+from raypaged.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from raypaged.core.request import FinishReason, Request, RequestStatus
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.core.scheduler import Scheduler
 
@@ -43,6 +43,7 @@ class _WorkerRequest:
     n: int
     block_ids: list[int]
     num_computed: int
+    logprobs: bool  # asked for: its sampled tokens come with logprobs
 
 
 class ShadowWorker:
@@ -73,7 +74,8 @@ class ShadowWorker:
             assert new.req_id not in self.requests, f"{new.req_id!r} sent new while held"
             self.requests[new.req_id] = _WorkerRequest(list(new.token_ids), new.num_prompt_tokens,
                                                        new.sampling_params.n, list(new.block_ids),
-                                                       new.num_computed_tokens)
+                                                       new.num_computed_tokens,
+                                                       new.sampling_params.logprobs is not None)
         for req_id, token_ids, block_ids, num_computed in zip(
                 cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
@@ -116,7 +118,7 @@ class ShadowWorker:
                 sampled = [self.sample(req_id) for _ in range(fan_out)]
             result.req_ids.append(req_id)
             result.sampled_token_ids.append(sampled)
-            result.logprobs.append([{t: -1.0} for t in sampled] if sampled else None)
+            result.logprobs.append([{t: -1.0} for t in sampled] if sampled and state.logprobs else None)
         # Runners may answer in any order (the scheduler has a fast path for its own order).
         perm = list(range(len(result.req_ids)))
         if self.rng.random() < 0.5:
@@ -214,3 +216,75 @@ def check_pool_whole(scheduler: Scheduler) -> None:
     stats = kv.stats()
     assert stats.allocated_slots == stats.filled_slots == stats.logical_slots == 0
     assert not kv._requests
+
+
+class OutputLog:
+    """Every record the scheduler hands out, checked against the requests it names: a request's
+    records carry exactly its output tokens, in order, under its group id and sample index; its
+    first record and its finishing one are whole (prompt and prefix-cache counts set); one
+    record finishes it and none follows."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}  # every request seen live, finished ones included
+        self.tokens: dict[str, list[int]] = {}
+        self.ids: dict[str, tuple[str, int]] = {}  # req id -> (group id, sample index) of its records
+        self.finished: dict[str, EngineCoreOutput] = {}
+
+    def add(self, outputs: Iterable[EngineCoreOutput]) -> None:
+        for out in outputs:
+            assert out.req_id not in self.finished, f"{out.req_id!r}: a record after its finish"
+            first = out.req_id not in self.tokens
+            self.tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            assert self.ids.setdefault(out.req_id, (out.group_id, out.sample_index)) == \
+                (out.group_id, out.sample_index)
+            if first or out.finished:
+                assert out.num_prompt_tokens is not None and out.num_cached_tokens is not None, out
+                request = self.requests.get(out.req_id)
+                if request is not None:
+                    assert out.num_prompt_tokens == request.num_prompt_tokens
+                    assert out.num_cached_tokens == request.num_cached_tokens
+            if out.finished:
+                self.finished[out.req_id] = out
+
+    def note(self, scheduler: Scheduler) -> None:
+        """After adds and steps: remember the live requests (forks appear) and check that their
+        records so far carried all their tokens."""
+        self.requests.update(scheduler.requests)
+        for request_id, request in scheduler.requests.items():
+            assert self.tokens.get(request_id, []) == request.output_token_ids, request_id
+
+    def check_all_finished(self, scheduler: Scheduler) -> None:
+        for request_id, request in self.requests.items():
+            out = self.finished.get(request_id)
+            assert out is not None, f"{request_id!r} never got a finishing record"
+            assert (out.finish_reason, out.stop_reason) == (request.finish_reason, request.stop_reason)
+            assert self.tokens[request_id] == request.output_token_ids
+            assert self.ids[request_id] == (request.group_id, request.sample_index)
+            check_finish(request, scheduler)
+        for request_id in self.tokens.keys() - self.requests.keys():  # forked, done at once
+            assert request_id in self.finished and len(self.tokens[request_id]) == 1
+
+
+def check_finish(request: Request, scheduler: Scheduler) -> None:
+    """The oracle of stop conditions: a finished request stopped at the first token its
+    parameters call for (EOS unless ignored, a stop id — once min_tokens are out — then
+    max_tokens or max_model_len), not earlier or later; an aborted one, or one that outgrew the
+    whole KV cache, before any."""
+    params = request.sampling_params
+    outputs = request.output_token_ids
+    called_for = None
+    for count, token in enumerate(outputs, 1):
+        assert called_for is None, f"{request.request_id!r} went on after {called_for}"
+        if count >= params.min_tokens and token == request.eos_token_id and not params.ignore_eos:
+            called_for = (FinishReason.STOP, None)
+        elif count >= params.min_tokens and token in params.stop_token_ids:
+            called_for = (FinishReason.STOP, token)
+        elif count >= params.max_tokens or request.num_prompt_tokens + count >= scheduler.config.max_model_len:
+            called_for = (FinishReason.LENGTH, None)
+    got = (request.finish_reason, request.stop_reason)
+    if called_for is not None:
+        assert got == called_for, (request.request_id, got, called_for)
+    elif request.finish_reason is FinishReason.LENGTH:  # it outgrew the whole cache
+        assert not scheduler.kv_cache_manager.can_fit(len(request.all_token_ids)), request.request_id
+    else:
+        assert request.finish_reason is FinishReason.ABORT, (request.request_id, got)

@@ -2,7 +2,7 @@
 block pool, with every invariant recomputed from scratch after every step.
 
 The scheduler sequences mix adds (prompts drawn from a few shared prefixes, with and without
-salts, n = 1..3, EOS / stop ids / min_tokens / length limits), steps answered by a ShadowWorker
+salts, n = 1..3, EOS / stop ids / min_tokens / length limits, logprobs or not), steps answered by a ShadowWorker
 with random tokens, and aborts of requests and groups, on pools small enough to preempt often.
 After each step check_invariants asserts: every block is free or held, reference counts equal
 the number of tables holding the block, a block is in two tables only when shared by prefix or
@@ -10,7 +10,8 @@ fork (same position, same tokens, same fill), cached blocks hold exactly their h
 allocated-but-unfilled slots per request < block_size, the waste accounting matches a brute-force
 recount, and the workers' view equals the scheduler's. The ShadowWorker checks that every K/V
 read returns the reading request's own prefix (so prefix hits and copy-on-write are right). When
-all requests end, the pool must be whole.
+all requests end, the pool must be whole, and the records handed out must have carried every
+request's tokens and finish exactly (OutputLog).
 
 Default runs are small; `scripts/test-slow` (pytest -m slow) runs thousands of sequences.
 """
@@ -23,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core_fakes import ShadowWorker, check_invariants, check_pool_whole, make_request
+from core_fakes import OutputLog, ShadowWorker, check_invariants, check_pool_whole, make_request
 from raypaged.core.block_pool import BlockPool, hash_block_tokens
 from raypaged.core.errors import InvalidRequestError, NoFreeBlocksError
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
@@ -63,7 +64,8 @@ def add_ops(draw):
     params = dict(n=draw(st.sampled_from([1, 1, 2, 3])), max_tokens=max_tokens,
                   min_tokens=draw(st.integers(0, min(2, max_tokens))),
                   ignore_eos=draw(st.booleans()),
-                  stop_token_ids=draw(st.sampled_from([(), (STOP_ID,)])))
+                  stop_token_ids=draw(st.sampled_from([(), (STOP_ID,)])),
+                  logprobs=draw(st.sampled_from([None, None, 1])))
     return ("add", prompt or [1], params, draw(st.sampled_from([None, None, "salt"])),
             draw(st.integers(0, 2)))
 
@@ -78,9 +80,12 @@ def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
     scheduler = Scheduler(config)
     worker = ShadowWorker(config.num_blocks, config.block_size, lambda _: rng.randrange(VOCAB), rng)
 
+    log = OutputLog()
+
     def step():
         out = scheduler.schedule()
-        scheduler.update_from_output(out, worker.execute(out))
+        log.add(scheduler.update_from_output(out, worker.execute(out)))
+        log.note(scheduler)
         check_invariants(scheduler, worker)
 
     for k, op in enumerate(ops):
@@ -92,18 +97,20 @@ def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
                 scheduler.add_request(request)
             except InvalidRequestError:
                 assert request.request_id not in scheduler.requests
+            log.note(scheduler)
             check_invariants(scheduler, worker)
         elif op[0] == "step":
             step()
         elif scheduler.requests:  # abort a live request or a whole group
             ids = sorted(set(scheduler.requests) | set(scheduler._groups))
-            scheduler.abort_requests(ids[op[1] % len(ids)])
+            log.add(scheduler.abort_requests(ids[op[1] % len(ids)]))
             check_invariants(scheduler, worker)
     for _ in range(2000):
         if not scheduler.has_unfinished_requests():
             break
         step()
     check_pool_whole(scheduler)
+    log.check_all_finished(scheduler)
 
 
 @FAST

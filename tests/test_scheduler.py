@@ -323,7 +323,7 @@ def test_abort_while_the_step_runs():
     out = h.scheduler.schedule()
     runner_output = h.worker.execute(out)
     h.scheduler.abort_requests("a")
-    assert h.scheduler.update_from_output(out, runner_output) == []
+    assert list(h.scheduler.update_from_output(out, runner_output)) == []
     out, _ = h.step()
     assert out.finished_req_ids == {"a"}
     check_pool_whole(h.scheduler)

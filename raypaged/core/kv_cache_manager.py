@@ -127,8 +127,9 @@ class KVCacheManager:
         lookup = self.block_pool.get_cached_block
         blocks: list[int] = []
         for i in range(max_hit_blocks):
-            block_hash = hashes[i] if i < len(hashes) else self._hash_next_block(request, hashes)
-            block_id = lookup(block_hash)
+            if i == len(hashes):
+                self._hash_blocks(request, hashes, i + 1)
+            block_id = lookup(hashes[i])
             if block_id is None:
                 break
             blocks.append(block_id)
@@ -143,8 +144,9 @@ class KVCacheManager:
         if not 0 <= num_computed_tokens <= len(state.block_ids) * self.block_size:
             raise ValueError(f"request {request.request_id!r}: {num_computed_tokens} computed tokens "
                              f"do not fit its {len(state.block_ids)} blocks")
-        if self.enable_prefix_caching and num_computed_tokens // self.block_size > state.num_cached_blocks:
-            self._register_full_blocks(state, num_computed_tokens // self.block_size)
+        num_full = num_computed_tokens // self.block_size
+        if num_full > state.num_cached_blocks and self.enable_prefix_caching:
+            self._register_full_blocks(state, num_full)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -258,24 +260,26 @@ class KVCacheManager:
     # ---- prefix cache registration ---------------------------------------------------------------
     def _register_full_blocks(self, state: _RequestBlocks, num_full: int) -> None:
         hashes, table = state.block_hashes, state.block_ids
+        if len(hashes) < num_full:
+            self._hash_blocks(state.request, hashes, num_full)
         cache = self.block_pool.cache_full_block
         for index in range(state.num_cached_blocks, num_full):
-            block_hash = hashes[index] if index < len(hashes) else self._hash_next_block(state.request, hashes)
-            cache(table[index], block_hash)
+            cache(table[index], hashes[index])
         state.num_cached_blocks = num_full
 
-    def _hash_next_block(self, request: Request, hashes: list[BlockHash]) -> BlockHash:
-        index = len(hashes)
+    def _hash_blocks(self, request: Request, hashes: list[BlockHash], num_blocks: int) -> None:
+        """Extend hashes (the request's leading blocks' hashes) to its first num_blocks blocks."""
         block_size = self.block_size
-        token_ids = tuple(request.all_token_ids[index * block_size:(index + 1) * block_size])
-        if len(token_ids) != block_size:
-            raise ValueError(f"request {request.request_id!r}: block {index} is not full")
+        tokens = request.all_token_ids
+        if num_blocks * block_size > len(tokens):
+            raise ValueError(f"request {request.request_id!r}: block {num_blocks - 1} is not full")
         # The salt goes into every block, not only the first: tenants stay apart even if two
         # prefixes' chained hashes ever collided.
         extra_keys = (request.cache_salt,) if request.cache_salt else None
-        block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids, extra_keys)
-        hashes.append(block_hash)
-        return block_hash
+        parent = hashes[-1] if hashes else None
+        for start in range(len(hashes) * block_size, num_blocks * block_size, block_size):
+            parent = hash_block_tokens(parent, tuple(tokens[start:start + block_size]), extra_keys)
+            hashes.append(parent)
 
     # ---- release and sharing ---------------------------------------------------------------------
     def free(self, request: Request) -> None:

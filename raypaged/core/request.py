@@ -46,6 +46,11 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id (or string) that ended it
     # Kept alongside prompt/output so the hot path never concatenates lists.
     all_token_ids: list[int] = field(init=False)
+    # Set by the scheduler when it takes the request (core/stop_checks.py), so that its per-step
+    # stop check is two comparisons: the token ids that may stop it, and the number of tokens at
+    # which it stops for length. Until then they send every token through the full check.
+    stop_token_set: frozenset[int] = field(init=False, default=frozenset(), repr=False)
+    max_num_tokens: int = field(init=False, default=0, repr=False)
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -18,22 +18,25 @@ one as a CachedRequestData entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 
 from raypaged.core.admission import check_new_request
 from raypaged.core.errors import NoFreeBlocksError, UnknownRequestError
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.kv_cache_manager import KVCacheManager, KVCacheStats
-from raypaged.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                   SchedulerOutput)
+from raypaged.core.outputs import (EngineCoreOutput, EngineCoreOutputs, Logprobs, ModelRunnerOutput,
+                                   NewRequestData, SchedulerOutput)
 from raypaged.core.request import FinishReason, Request, RequestStatus
 from raypaged.core.request_queue import make_request_queue
 from raypaged.core.scheduler_config import SchedulerConfig
+from raypaged.core.stop_checks import check_stop, prepare_stop_checks
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 _RUNNING = RequestStatus.RUNNING
-_STOP = FinishReason.STOP
+# new_block_ids of every running request whose table did not grow: one shared list, which its
+# readers (the workers) never write to; building a fresh one per request per step costs.
+_NO_BLOCKS: list[int] = []
 _LENGTH = FinishReason.LENGTH
 
 
@@ -68,7 +71,7 @@ class Scheduler:
         self._groups: dict[str, set[str]] = {}  # group id -> ids of its unfinished samples
         self._on_workers: set[str] = set()
         self._finished_req_ids: set[str] = set()  # dropped since the last schedule()
-        self._pending_outputs: list[EngineCoreOutput] = []  # finished inside schedule()
+        self._pending_outputs = EngineCoreOutputs()  # finished inside schedule()
         # Running request id -> slots in its block table, from what allocate_slots returned: while
         # a step fits, the scheduler need not ask the manager. -1 forces the next step through
         # allocate_slots (after a fork: copy-on-write, or a copying manager's new table).
@@ -83,6 +86,7 @@ class Scheduler:
         bound) leaves the scheduler unchanged."""
         check_new_request(request, self.config, self.kv_cache_manager, self.requests, self._groups,
                           len(self.waiting))
+        prepare_stop_checks(request, self.config.max_model_len)
         request_id = request.request_id
         self.requests[request_id] = request
         self._groups.setdefault(request.group_id, set()).add(request_id)
@@ -135,83 +139,126 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        config = self.config
-        kv = self.kv_cache_manager
         out = SchedulerOutput()
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
-        num_scheduled = out.num_scheduled_tokens
-        # The scheduled requests in num_scheduled's order: update_from_output walks them directly.
-        scheduled = self._scheduled = []
-        cached = out.scheduled_cached_reqs
-        cached_ids, cached_tokens = cached.req_ids, cached.new_token_ids
-        cached_blocks, cached_computed = cached.new_block_ids, cached.num_computed_tokens
-        budget = config.max_num_batched_tokens
-        chunked = config.enable_chunked_prefill
-        allocate = kv.allocate_slots
-        on_workers, rewritten = self._on_workers, self._rewritten
-        running = self.running
+        # The scheduled requests in num_scheduled_tokens' order: update_from_output walks them.
+        self._scheduled = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        out.block_copies = self.kv_cache_manager.take_block_copies()
+        self._last_output = out
+        return out
 
-        # Running requests first, in order: the oldest keep their place under memory pressure.
-        num_slots = self._num_slots
-        block_size = config.block_size
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first, in order (the oldest keep their place under memory pressure):
+        each gets its next prefill chunk or decode token. Returns the budget left."""
+        allocate = self.kv_cache_manager.allocate_slots
+        block_size = self.config.block_size
+        num_slots, on_workers, rewritten = self._num_slots, self._on_workers, self._rewritten
+        num_scheduled = out.num_scheduled_tokens
+        cached = out.scheduled_cached_reqs
+        ids_append, tokens_append = cached.req_ids.append, cached.new_token_ids.append
+        blocks_append, computed_append = cached.new_block_ids.append, cached.num_computed_tokens.append
+        running, scheduled = self.running, self._scheduled
         i = 0
         while i < len(running) and budget > 0:
-            request = running[i]
-            request_id = request.request_id
-            computed = request.num_computed_tokens
-            tokens = request.all_token_ids
-            num_new = len(tokens) - computed
-            if num_new > budget:
-                if not chunked:
-                    i += 1
-                    continue
-                num_new = budget
-            if computed + num_new <= num_slots[request_id]:
-                # The common decode step: its table has room, so the manager would hand out
-                # nothing; and the workers hold it (anything else forces the slow path).
+            # The common case, tight: a request whose whole remaining tokens fit the budget and
+            # get their slots. This loop leaves `running` as it is (so it may iterate the list
+            # itself) and schedules a contiguous run of it; it breaks out for the rest: a chunk,
+            # the budget spent, no free block (preemption).
+            start = i
+            for request in running if i == 0 else islice(running, i, None):
+                computed = request.num_computed_tokens
+                tokens = request.all_token_ids
+                num_new = len(tokens) - computed
+                if num_new > budget:
+                    break
+                request_id = request.request_id
+                slots = num_slots[request_id]
+                if computed + num_new <= slots:
+                    # The table has room, so the manager would hand out nothing; and the workers
+                    # hold the request (else its slots would be -1: see _num_slots).
+                    new_blocks = _NO_BLOCKS
+                else:
+                    new_blocks = allocate(request, num_new)
+                    if new_blocks is None:
+                        break
+                    if slots < 0 or request_id not in on_workers or request_id in rewritten:
+                        self._schedule_allocated(request, computed, num_new, new_blocks, out)
+                        budget -= num_new
+                        i += 1
+                        continue
+                    num_slots[request_id] = slots + len(new_blocks) * block_size
                 num_scheduled[request_id] = num_new
-                scheduled.append(request)
+                ids_append(request_id)
+                tokens_append(tokens[computed:])
+                blocks_append(new_blocks)
+                computed_append(computed)
                 budget -= num_new
-                cached_ids.append(request_id)
-                cached_tokens.append(tokens[computed:computed + num_new])
-                cached_blocks.append([])
-                cached_computed.append(computed)
                 i += 1
-                continue
-            new_blocks = allocate(request, num_new)
-            while new_blocks is None:  # out of blocks: preempt until it fits or it is the victim
-                if not kv.can_fit(len(tokens)):
-                    running.pop(i)
-                    self._finish_unfittable(request, out)
-                    break
-                victim_index = self._pick_victim()
-                victim = running[victim_index]
-                budget += self._preempt(victim_index, out)
-                if victim is request:
-                    break
-                if victim_index < i:
-                    i -= 1
-                new_blocks = allocate(request, num_new)
-            if new_blocks is None:
-                continue  # it left running: running[i] is already the next request
-            if num_slots[request_id] < 0:  # forced through the manager after a fork
-                num_slots[request_id] = len(kv.get_block_ids(request_id)) * block_size
-            else:
-                num_slots[request_id] += len(new_blocks) * block_size
-            num_scheduled[request_id] = num_new
-            scheduled.append(request)
-            budget -= num_new
-            if request_id in on_workers and not (rewritten and request_id in rewritten):
-                cached_ids.append(request_id)
-                cached_tokens.append(tokens[computed:computed + num_new])
-                cached_blocks.append(new_blocks)
-                cached_computed.append(computed)
-            else:
-                self._send_new(request, kv.get_block_ids(request_id), out)
-            i += 1
+            scheduled += running[start:i]  # in one go, before a preemption may look for one
+            if i >= len(running) or budget <= 0:
+                break
+            i, budget = self._schedule_running_slow(i, budget, out)
+        return budget
 
-        # Then waiting requests, in queue order; in fcfs they never preempt running ones.
-        waiting = self.waiting
+    def _schedule_running_slow(self, i: int, budget: int, out: SchedulerOutput) -> tuple[int, int]:
+        """running[i] did not take the common path: chunk its prefill to the budget (or skip it,
+        unchunked), then get its slots, preempting until they fit or it is the victim itself.
+        Returns the index of the next request to schedule and the budget left."""
+        running, kv = self.running, self.kv_cache_manager
+        request = running[i]
+        computed = request.num_computed_tokens
+        tokens = request.all_token_ids
+        num_new = len(tokens) - computed
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return i + 1, budget
+            num_new = budget
+        new_blocks = kv.allocate_slots(request, num_new)
+        while new_blocks is None:  # out of blocks: preempt until it fits or it is the victim
+            if not kv.can_fit(len(tokens)):
+                running.pop(i)
+                self._finish_unfittable(request, out)
+                return i, budget  # running[i] is already the next request
+            victim_index = self._pick_victim()
+            victim = running[victim_index]
+            budget += self._preempt(victim_index, out)
+            if victim is request:
+                return i, budget
+            if victim_index < i:
+                i -= 1
+            new_blocks = kv.allocate_slots(request, num_new)
+        self._schedule_allocated(request, computed, num_new, new_blocks, out)
+        self._scheduled.append(request)
+        return i + 1, budget - num_new
+
+    def _schedule_allocated(self, request: Request, computed: int, num_new: int, new_blocks: list[int],
+                            out: SchedulerOutput) -> None:
+        """Schedule num_new tokens of a running request that allocate_slots just gave new_blocks
+        (the caller adds it to _scheduled)."""
+        request_id = request.request_id
+        kv = self.kv_cache_manager
+        if self._num_slots[request_id] < 0:  # forced through the manager after a fork
+            self._num_slots[request_id] = len(kv.get_block_ids(request_id)) * self.config.block_size
+        else:
+            self._num_slots[request_id] += len(new_blocks) * self.config.block_size
+        out.num_scheduled_tokens[request_id] = num_new
+        if request_id in self._on_workers and request_id not in self._rewritten:
+            cached = out.scheduled_cached_reqs
+            cached.req_ids.append(request_id)
+            cached.new_token_ids.append(request.all_token_ids[computed:computed + num_new])
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(computed)
+        else:
+            self._send_new(request, kv.get_block_ids(request_id), out)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Then waiting requests, in queue order; in fcfs they never preempt running ones.
+        Returns the budget left."""
+        config, kv = self.config, self.kv_cache_manager
+        waiting, running = self.waiting, self.running
         while len(waiting) and budget > 0:
             request = waiting.peek()
             if len(running) >= config.max_num_seqs:
@@ -222,7 +269,7 @@ class Scheduler:
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = len(request.all_token_ids) - num_hit_tokens
             if num_new > budget:
-                if not chunked:
+                if not config.enable_chunked_prefill:
                     break  # head-of-line: it waits for a step with room for its whole prompt
                 num_new = budget
             new_blocks = kv.allocate_slots(request, num_new, hit_blocks)
@@ -241,22 +288,18 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit_tokens
             running.append(request)
-            num_slots[request.request_id] = len(new_blocks) * block_size
-            num_scheduled[request.request_id] = num_new
-            scheduled.append(request)
+            self._num_slots[request.request_id] = len(new_blocks) * config.block_size
+            out.num_scheduled_tokens[request.request_id] = num_new
+            self._scheduled.append(request)
             budget -= num_new
             self._send_new(request, new_blocks, out)
-
-        out.total_num_scheduled_tokens = config.max_num_batched_tokens - budget
-        out.block_copies = kv.take_block_copies()
-        self._last_output = out
-        return out
+        return budget
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Take one step's sampled tokens. Returns one EngineCoreOutput per request that got a
-        token or finished (plus any finished inside schedule())."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Take one step's sampled tokens. Returns a record for each request that got a token or
+        finished (after any that finished inside schedule())."""
+        outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
         num_scheduled = scheduler_output.num_scheduled_tokens
         req_ids = model_runner_output.req_ids
         sampled_token_ids = model_runner_output.sampled_token_ids
@@ -274,9 +317,10 @@ class Scheduler:
         cache_blocks = self._cache_blocks
         block_size = self.config.block_size
         max_model_len = self.config.max_model_len
+        ids_append, tokens_append = outputs.req_ids.append, outputs.new_token_ids.append
         finished = False
-        for request, request_id, num_new, sampled, new_logprobs in zip(
-                in_order, req_ids, nums, sampled_token_ids, logprobs or repeat(None)):
+        for request, num_new, sampled, new_logprobs in zip(
+                in_order, nums, sampled_token_ids, logprobs or repeat(None)):
             if request is None or request.status is not _RUNNING:
                 continue  # aborted while the step ran
             computed = request.num_computed_tokens + num_new
@@ -286,35 +330,50 @@ class Scheduler:
             tokens = request.all_token_ids
             if computed != len(tokens):
                 if sampled:
-                    raise ValueError(f"request {request_id!r} sampled a token mid-prompt")
+                    raise ValueError(f"request {request.request_id!r} sampled a token mid-prompt")
                 continue
-            params = request.sampling_params
-            if len(sampled) != 1 or params.n > 1:
-                if params.n > 1 and not request.output_token_ids:
-                    self._fork(request, sampled, new_logprobs, outputs)
-                    new_logprobs = new_logprobs[:1] if new_logprobs else new_logprobs
-                elif len(sampled) != 1:
-                    raise ValueError(f"request {request_id!r}: expected one sampled token, "
-                                     f"got {len(sampled)}")
-            token = sampled[0]
             outputs_so_far = request.output_token_ids
+            if len(sampled) != 1 or not outputs_so_far or new_logprobs is not None or request.sample_index:
+                # A first token (n > 1: the fork), logprobs, a sample's record: kept whole.
+                finished |= self._take_sampled(request, sampled, new_logprobs, outputs)
+                continue
+            token = sampled[0]
             outputs_so_far.append(token)
             tokens.append(token)
-            # _check_stop, unrolled: this loop runs for every request every step.
-            reason = stop_reason = None
-            if token == request.eos_token_id or token in params.stop_token_ids:
-                reason, stop_reason = self._stop_on_token(request, token)
-            if reason is None and (len(outputs_so_far) >= params.max_tokens or len(tokens) >= max_model_len):
-                reason = _LENGTH
-            if reason is not None:
-                self._finish(request, reason, stop_reason, self._finished_req_ids)
-                finished = True
-            outputs.append(EngineCoreOutput(request_id, request.group_id, request.sample_index, [token],
-                                            new_logprobs, reason, stop_reason, len(request.prompt_token_ids),
-                                            request.num_cached_tokens))
+            if token in request.stop_token_set or len(tokens) >= request.max_num_tokens:
+                reason, stop_reason = check_stop(request, token, max_model_len)
+                if reason is not None:
+                    self._finish(request, reason, stop_reason, self._finished_req_ids)
+                    finished = True
+                    outputs.append(self._output(request, sampled, None))
+                    continue
+            # The plain record: the request's next token and nothing else.
+            ids_append(request.request_id)
+            tokens_append(sampled)
         if finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def _take_sampled(self, request: Request, sampled: list[int], logprobs: list[Logprobs] | None,
+                      outputs: EngineCoreOutputs) -> bool:
+        """update_from_output for a request whose record is kept whole. Returns whether it
+        finished."""
+        params = request.sampling_params
+        if params.n > 1 and not request.output_token_ids:
+            self._fork(request, sampled, logprobs, outputs)
+            sampled = sampled[:1]
+            logprobs = logprobs[:1] if logprobs else logprobs
+        elif len(sampled) != 1:
+            raise ValueError(f"request {request.request_id!r}: expected one sampled token, "
+                             f"got {len(sampled)}")
+        token = sampled[0]
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        reason, stop_reason = check_stop(request, token, self.config.max_model_len)
+        if reason is not None:
+            self._finish(request, reason, stop_reason, self._finished_req_ids)
+        outputs.append(self._output(request, [token], logprobs))
+        return reason is not None
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _send_new(self, request: Request, block_ids: list[int], out: SchedulerOutput) -> None:
@@ -421,7 +480,8 @@ class Scheduler:
                                 logprobs, request.finish_reason, request.stop_reason,
                                 request.num_prompt_tokens, request.num_cached_tokens)
 
-    def _fork(self, parent: Request, sampled: list[int], logprobs, outputs: list[EngineCoreOutput]) -> None:
+    def _fork(self, parent: Request, sampled: list[int], logprobs: list[Logprobs] | None,
+              outputs: EngineCoreOutputs) -> None:
         """The group's prompt is done and the worker sampled one token per sample: the parent
         keeps token 0, samples 1..n-1 become requests of their own sharing its blocks. They go
         just before the parent in running, so they are scheduled (and copy the shared partial
@@ -438,10 +498,11 @@ class Scheduler:
                 sampling_params=parent.sampling_params.for_sample(i), eos_token_id=parent.eos_token_id,
                 arrival_time=parent.arrival_time, priority=parent.priority, cache_salt=parent.cache_salt,
                 group_id=group_id, sample_index=i)
+            prepare_stop_checks(child, self.config.max_model_len)
             child.num_cached_tokens = parent.num_cached_tokens
             child.append_output_token(sampled[i])
             child_logprobs = [logprobs[i]] if logprobs else None
-            reason, stop_reason = self._check_stop(child, sampled[i])
+            reason, stop_reason = check_stop(child, sampled[i], self.config.max_model_len)
             if reason is not None:  # done at once: it never needs blocks of its own
                 child.status, child.finish_reason, child.stop_reason = RequestStatus.FINISHED, reason, stop_reason
                 outputs.append(self._output(child, [sampled[i]], child_logprobs))
@@ -465,28 +526,3 @@ class Scheduler:
             self._num_slots[parent.request_id] = -1  # its last block may now be shared
             at = self.running.index(parent)
             self.running[at:at] = forked
-
-    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
-        """After `token` was appended: does the request stop, and why."""
-        params = request.sampling_params
-        if token == request.eos_token_id or token in params.stop_token_ids:
-            reason, stop_reason = self._stop_on_token(request, token)
-            if reason is not None:
-                return reason, stop_reason
-        if len(request.output_token_ids) >= params.max_tokens \
-                or len(request.all_token_ids) >= self.config.max_model_len:
-            return _LENGTH, None
-        return None, None
-
-    @staticmethod
-    def _stop_on_token(request: Request, token: int) -> tuple[FinishReason | None, int | None]:
-        """`token` is EOS or a stop id: it stops the request unless min_tokens are not out yet
-        (or it is EOS and EOS is ignored). EOS reports no stop_reason; a stop id reports itself."""
-        params = request.sampling_params
-        if len(request.output_token_ids) < params.min_tokens:
-            return None, None
-        if token == request.eos_token_id and not params.ignore_eos:
-            return _STOP, None
-        if token in params.stop_token_ids:
-            return _STOP, token
-        return None, None

@@ -12,7 +12,7 @@ import threading
 
 from raypaged.config import EngineConfig
 from raypaged.core.errors import EngineDeadError
-from raypaged.core.outputs import EngineCoreOutput
+from raypaged.core.outputs import EngineCoreOutputs
 from raypaged.core.request import Request
 from raypaged.engine.core import EngineCore
 
@@ -25,7 +25,7 @@ class EngineActor:
     def __init__(self, config: EngineConfig) -> None:
         logging.basicConfig(level=logging.INFO)
         self.core = EngineCore(config)
-        self._outputs: list[EngineCoreOutput] = []
+        self._outputs = EngineCoreOutputs()  # steps' records the caller has not pulled yet
         self._have_outputs = threading.Condition()
         self._have_work = threading.Event()
         self._stopping = threading.Event()
@@ -56,7 +56,7 @@ class EngineActor:
         self.core.abort_requests(request_ids)
         self._have_work.set()
 
-    def get_outputs(self, timeout_s: float = 1.0) -> list[EngineCoreOutput]:
+    def get_outputs(self, timeout_s: float = 1.0) -> EngineCoreOutputs:
         """Everything produced since the last call; waits up to timeout_s for something."""
         self._check_alive()
         with self._have_outputs:
@@ -66,7 +66,7 @@ class EngineActor:
                     # out: from now on the caller learns it is gone (and can replace it).
                     raise EngineDeadError(self.core.dead)
                 self._have_outputs.wait(timeout_s)
-            outputs, self._outputs = self._outputs, []
+            outputs, self._outputs = self._outputs, EngineCoreOutputs()
         return outputs
 
     def stats(self) -> dict:
@@ -99,7 +99,10 @@ class EngineActor:
                 outputs = self.core.step()
                 if outputs:
                     with self._have_outputs:
-                        self._outputs.extend(outputs)
+                        if self._outputs:
+                            self._outputs.extend(outputs)
+                        else:
+                            self._outputs = outputs
                         self._have_outputs.notify_all()
         except Exception as e:  # the engine is unusable; callers get a clear error from now on
             logger.exception("engine loop died")

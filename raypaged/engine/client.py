@@ -1,8 +1,9 @@
 """The frontend's handle on the central engine actor (asyncio).
 
 One pump task per client pulls the engine's batched step outputs (one Ray call per step for all
-requests) and fans them out to per-request queues; `generate` is an async iterator over one
-request's outputs (every sample of an n > 1 request).
+requests, an EngineCoreOutputs batch) and fans them out to per-request queues, expanding the
+batch into one EngineCoreOutput per record here, in the frontend's process; `generate` is an
+async iterator over one request's outputs (every sample of an n > 1 request).
 """
 
 from __future__ import annotations

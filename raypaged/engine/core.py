@@ -17,7 +17,7 @@ import time
 from raypaged.config import EngineConfig
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, UnknownRequestError
-from raypaged.core.outputs import EngineCoreOutput
+from raypaged.core.outputs import EngineCoreOutputs
 from raypaged.core.request import Request
 from raypaged.core.scheduler import Scheduler
 from raypaged.core.scheduler_config import SchedulerConfig
@@ -88,7 +88,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             max_waiting_requests=config.max_waiting_requests,
         ), kv_cache_manager=self._contiguous_manager() if config.kv_cache_mode == "contiguous" else None)
-        self._pending_outputs: list[EngineCoreOutput] = []
+        self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
         self._queued_since: dict[str, float] = {}
@@ -130,16 +130,18 @@ class EngineCore:
         with self._lock:
             for request_id in request_ids:
                 try:
-                    self._pending_outputs.extend(self.scheduler.abort_requests([request_id]))
+                    aborted = self.scheduler.abort_requests([request_id])
                 except UnknownRequestError:
-                    pass
+                    continue
+                for out in aborted:
+                    self._pending_outputs.append(out)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         with self._lock:
-            outputs, self._pending_outputs = self._pending_outputs, []
+            outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
             if not self.scheduler.has_unfinished_requests():
                 if self._queued_since:
                     self._attach_queue_times(outputs)
@@ -150,11 +152,15 @@ class EngineCore:
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except WorkerGroupError as e:
-            outputs += self._recover(f"the model workers failed: {e}")
+            outputs.extend(self._recover(f"the model workers failed: {e}"))
         else:
             self._consecutive_failures = 0
             with self._lock:
-                outputs.extend(self.scheduler.update_from_output(scheduler_output, model_output))
+                update = self.scheduler.update_from_output(scheduler_output, model_output)
+            if outputs:
+                outputs.extend(update)
+            else:
+                outputs = update  # the usual step: no abort records before it, nothing to copy
         if self._queued_since or self._queue_times:
             self._attach_queue_times(outputs)
         return outputs
@@ -166,15 +172,17 @@ class EngineCore:
             if since is not None:
                 self._queue_times[new.req_id] = now - since
 
-    def _attach_queue_times(self, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
+    def _attach_queue_times(self, outputs: EngineCoreOutputs) -> None:
+        # A request's first record is always kept whole (see EngineCoreOutputs), and a record
+        # that finishes one too: the plain records never need a look.
+        for out in outputs.whole_records():
             queue_time = self._queue_times.pop(out.req_id, None)
             if queue_time is not None:
                 out.queue_time_s = queue_time
             if out.finish_reason is not None:  # aborted while waiting: never scheduled
                 self._queued_since.pop(out.req_id, None)
 
-    def _recover(self, message: str) -> list[EngineCoreOutput]:
+    def _recover(self, message: str) -> EngineCoreOutputs:
         """A worker died or hung: restart the whole group (a rank cannot rejoin a broken process
         group) and recompute every in-flight request from its prompt plus the tokens already
         produced, as a preemption would, so callers see no gap and no repeat. After
@@ -187,7 +195,7 @@ class EngineCore:
             self.num_worker_restarts += 1
             try:
                 self._restart_workers()
-                return []
+                return EngineCoreOutputs()
             except Exception as e:  # noqa: BLE001 - any failure to start counts as one attempt
                 logger.error("worker group restart %d failed: %s", self._consecutive_failures, e)
                 message = f"{message}; restart failed: {e}"
@@ -195,9 +203,11 @@ class EngineCore:
         with self._lock:
             failed = self.scheduler.abort_requests(list(self.scheduler.requests)) \
                 if self.scheduler.requests else []
+        outputs = EngineCoreOutputs()
         for out in failed:
             out.error = self.dead
-        return failed
+            outputs.append(out)
+        return outputs
 
     def _restart_workers(self) -> None:
         try:

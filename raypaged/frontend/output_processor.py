@@ -75,7 +75,8 @@ class RequestOutputProcessor:
             return None
         if out.error is not None:
             raise RequestFailedError(f"request {self.request.group_id!r} failed in the engine: {out.error}")
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.num_cached_tokens is not None:  # sent on a request's first and last records only
+            self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         new_ids = out.new_token_ids
         sample.num_tokens += len(new_ids)
         delta = pb.CompletionDelta(index=out.sample_index, token_ids=new_ids)

@@ -183,8 +183,8 @@ def simulate(trace: Trace, allocator: str, config: SimConfig = SimConfig(),
             manager, requests, scheduler_output.num_scheduled_tokens, next_request, config, step,
             waiting=scheduler.num_waiting > 0)
         outputs = scheduler.update_from_output(scheduler_output, runner.execute(scheduler_output))
-        for out in outputs:
-            generated[out.req_id] += len(out.new_token_ids)
+        for req_id, new_token_ids in zip(outputs.req_ids, outputs.new_token_ids):
+            generated[req_id] += len(new_token_ids)
         result.preemptions += len(scheduler_output.preempted_req_ids)
         result.engine_steps += scheduler_output.total_num_scheduled_tokens > 0
         result.samples.append(sample)
