@@ -114,7 +114,7 @@ def _median_us(values: list[int]) -> float:
 
 
 def profile_batch(llm: LLM, batch: int, context: int, steps: int, vocab: int,
-                  worker_steps_source) -> dict:
+                  worker_steps_source, mixed_prompt_len: int = 0) -> dict:
     engine = llm.engine
     from raypaged.core.request import Request
 
@@ -128,7 +128,11 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, vocab: int,
         engine.step()
     engine_stamps = _install_engine_timers(engine)
     totals = []
-    for _ in range(steps):
+    arrivals = prompts(steps, mixed_prompt_len, vocab, seed=-batch) if mixed_prompt_len else []
+    for index in range(steps):
+        if arrivals:  # a new prompt joins every step: the step mixes decodes and a prefill
+            ids.append(f"p-{batch}-new-{index}")
+            engine.add_request(Request(ids[-1], arrivals[index]["prompt_token_ids"], params))
         start = time.monotonic_ns()
         engine.step()
         totals.append((start, time.monotonic_ns()))
@@ -145,7 +149,7 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     engine.step()
     # Each engine execute goes with the worker step that started inside it (one clock for both).
     worker_steps = [(next(s for name, s, _ in stamps if name == "worker_total"), stamps)
-                    for n, stamps in worker_steps_source() if n == batch]
+                    for n, stamps in worker_steps_source() if n >= batch]
     for exec_start, exec_end in executes:
         stamps = next((st for start, st in worker_steps if exec_start <= start <= exec_end), None)
         if stamps is None:
@@ -172,6 +176,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--executors", default="uni,ray")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--mixed-prompt-len", type=int, default=0,
+                        help="add a request with a prompt this long before every measured step, "
+                             "so each step mixes the batch's decodes with one prefill (eager)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -205,12 +212,14 @@ def main() -> int:
                 def worker_steps(store=store):
                     return store["steps"]
             llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
-                      max_model_len=args.context + args.steps + 64, max_num_seqs=max(batch_sizes),
+                      max_model_len=args.context + args.steps + 64,
+                      max_num_seqs=max(batch_sizes) + (args.steps if args.mixed_prompt_len else 0),
                       max_num_batched_tokens=8192 if device.type == "cuda" else 2048,
                       gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
                       enforce_eager=args.enforce_eager, distributed_executor_backend=executor)
             for batch in batch_sizes:
-                phases = profile_batch(llm, batch, args.context, args.steps, vocab, worker_steps)
+                phases = profile_batch(llm, batch, args.context, args.steps, vocab, worker_steps,
+                                       args.mixed_prompt_len)
                 result["phases_us"][f"{executor}/{batch}"] = phases
                 print(f"[{executor}] batch {batch}: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()),
                       flush=True)
@@ -225,7 +234,8 @@ def main() -> int:
         print(f"| {key} | " + " | ".join(f"{result['phases_us'][c].get(key, float('nan')):.0f}"
                                          for c in columns) + " |")
     device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    print(f"wrote {write_json(f'profile_step_{args.shape}_{device_tag}', result, args.out)}")
+    name = f"profile_step_{args.shape}_{device_tag}" + ("_mixed" if args.mixed_prompt_len else "")
+    print(f"wrote {write_json(name, result, args.out)}")
     return 0
 
 
