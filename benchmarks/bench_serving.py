@@ -1,0 +1,518 @@
+"""Online serving: Poisson arrivals over gRPC at several request rates against `raypaged launch`,
+with the paged KV cache and with the max_model_len reservation baseline on the same pool (issue
+8's "Serving" benchmark, the shape of vLLM's benchmark_serving.py).
+
+    python benchmarks/bench_serving.py          # CPU-sized: the built-in demo model, ~3 minutes
+    bash scripts/gpu_serving.sh                 # the H200 run: 8B-shaped, bf16, random weights
+
+For each KV mode (paged; `--kv-cache-mode contiguous`, where every request reserves max_model_len
+slots when it starts) one server is started, and for each rate, ascending, N requests are sent
+with exponential gaps (seeded) and streamed. Requests are the simulator's ShareGPT-like trace
+(prompt ≈ 160, output ≈ 340 tokens, lognormal tails): random prompt token ids of the trace's
+lengths (fresh ids at every rate, so the prefix cache cannot serve one rate from the last), each
+with max_tokens = its output length and ignore_eos, so every request generates exactly that.
+Requests longer than --max-total-len are dropped, as vLLM's benchmark drops ShareGPT's past
+2,048 (scripts/gpu_serving.sh does the same; the CPU default, 512, keeps its tails short).
+
+Per rate, as the client sees it: TTFT (send → first token), inter-token latency (the gap before
+each streamed chunk, split over the chunk's tokens), TPOT ((E2E − TTFT) / (tokens − 1)), E2E;
+p50/p90/p99 of each, request and output-token throughput, and the KV pool read from the server's
+Prometheus gauges once a second. A mode's sweep stops after the first rate whose p99 TTFT passes
+--stop-ttft-s (the queue only grows from there). "Max rate" is the highest rate, going up, before
+the first one whose p99 TTFT misses --slo-ttft-s. The paged pool size (profiled on CUDA) is given
+to the contiguous server with --num-gpu-blocks-override, so both hold the same number of blocks.
+
+Writes benchmarks/results/serving_<model>_<device>.json (after every rate) and a PNG beside it.
+Flags after `--` go to `raypaged launch` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHAPES, environment, write_config, write_json  # noqa: E402
+from soak import LaunchedServer, scrape  # noqa: E402
+from bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests  # noqa: E402
+
+from raypaged.client import AsyncClient, Client, RequestError  # noqa: E402
+
+MODES = ("paged", "contiguous")
+PERCENTILES = (50, 90, 99)
+# The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
+# 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too.
+CPU_NUM_KV_BLOCKS = 256
+
+
+# ---- pure parts (tests/test_bench_serving.py) --------------------------------------------------
+
+def trace_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
+                   max_total_len: int | None) -> list[BenchRequest]:
+    """The offline benchmark's requests: the seeded ShareGPT-like trace, clipped to max_model_len,
+    without those longer than max_total_len."""
+    return sharegpt_requests(count, max_model_len, vocab_size, seed, max_total_len)
+
+
+def fresh_prompts(requests: list[BenchRequest], vocab_size: int, seed: str) -> list[list[int]]:
+    """Random ids of each request's prompt length, drawn anew per rate (seeded): the same prompts
+    again would hit the prefix cache the previous rate filled and shorten every prefill."""
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ID, vocab_size) for _ in r.prompt_token_ids] for r in requests]
+
+
+def poisson_offsets(count: int, rate: float, seed: str) -> list[float]:
+    """Send times (seconds from the start) of a Poisson process of `rate` requests per second:
+    the first request at 0, then exponential gaps of mean 1 / rate."""
+    if not rate > 0 or math.isinf(rate):
+        raise ValueError(f"request rate must be a positive number, got {rate}")
+    rng = random.Random(seed)
+    offsets, clock = [], 0.0
+    for i in range(count):
+        if i:
+            clock += rng.expovariate(rate)
+        offsets.append(clock)
+    return offsets
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between order statistics (numpy's default
+    method), so the figures compare with vLLM's benchmark."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def distribution(values: list[float]) -> dict:
+    """Mean and p50/p90/p99 in milliseconds."""
+    summary = {"mean_ms": 1e3 * sum(values) / len(values) if values else math.nan}
+    for q in PERCENTILES:
+        summary[f"p{q}_ms"] = 1e3 * percentile(values, q)
+    return summary
+
+
+def max_rate_meeting(rates: list[dict], slo_ttft_s: float) -> float | None:
+    """The highest rate, going up, before the first that misses the SLO (p99 TTFT ≥ slo, or a
+    request that failed): a rate that passes only above a failing one is luck of the draw, not
+    a rate the server sustains. None when the lowest rate already misses."""
+    best = None
+    for result in sorted(rates, key=lambda r: r["rate"]):
+        if result["errors"] or not result["ttft"]["p99_ms"] < 1e3 * slo_ttft_s:
+            break
+        best = result["rate"]
+    return best
+
+
+def should_stop(result: dict, stop_ttft_s: float) -> bool:
+    """Past this, higher rates only lengthen the queue: stop the mode's sweep."""
+    return bool(result["errors"]) or not result["ttft"]["p99_ms"] < 1e3 * stop_ttft_s
+
+
+# ---- the load -----------------------------------------------------------------------------------
+
+@dataclass
+class Timing:
+    """One request, seconds on the client's clock."""
+
+    late_s: float  # sent this long after its Poisson time (a busy client would skew the load)
+    ttft_s: float = math.nan
+    e2e_s: float = math.nan
+    gaps_s: list[float] = field(default_factory=list)  # one per token after the first chunk's
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def send(client: AsyncClient, prompt: list[int], output_len: int, due: float) -> Timing:
+    sent = time.perf_counter()
+    timing = Timing(late_s=sent - due)
+    last = sent
+    try:
+        async for chunk in client.stream(prompt, max_tokens=output_len, ignore_eos=True,
+                                         temperature=0.0):
+            now = time.perf_counter()
+            count = sum(len(out.token_ids) for out in chunk.outputs)
+            if not count:
+                continue
+            if timing.output_tokens == 0:
+                timing.ttft_s = now - sent
+            else:
+                # Tokens that arrive together shared the gap: one latency per token, as the
+                # per-token figure (TPOT) would count them.
+                timing.gaps_s += [(now - last) / count] * count
+            timing.output_tokens += count
+            last = now
+    except RequestError as e:
+        timing.error = f"{e.code.name}: {e.message}"
+        return timing
+    timing.e2e_s = last - sent
+    if timing.output_tokens != output_len:
+        timing.error = f"{timing.output_tokens} tokens streamed for max_tokens {output_len}"
+    return timing
+
+
+async def drive(address: str, prompts: list[list[int]], output_lens: list[int],
+                offsets: list[float], channels: int) -> tuple[list[Timing], float]:
+    """Sends request i at offsets[i] and streams all; returns the timings and the wall time from
+    the first send to the last token. Several channels, so that no HTTP/2 stream limit of one
+    connection queues requests on the client side."""
+    clients = [AsyncClient(address) for _ in range(channels)]
+    try:
+        start = time.perf_counter()
+        tasks = []
+        for i, (prompt, output_len, offset) in enumerate(zip(prompts, output_lens, offsets)):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(clients[i % channels], prompt, output_len,
+                                                  start + offset)))
+        timings = await asyncio.gather(*tasks)
+        return list(timings), time.perf_counter() - start
+    finally:
+        for client in clients:
+            await client.close()
+
+
+# ---- KV memory from the server's metrics --------------------------------------------------------
+
+KV_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+             "kv_cache_blocks", "kv_cache_allocated_slots", "kv_cache_filled_slots",
+             "kv_cache_unfilled_slots", "kv_cache_shared_saved_slots")
+
+
+async def sample_metrics(metrics_url: str, samples: list[dict], done: asyncio.Event,
+                         interval_s: float = 1.0) -> None:
+    """Scrapes the KV gauges until `done`, once a second (the frontend polls the engine's stats
+    into them once a second: faster only repeats values). The scrape blocks, so it runs in a
+    thread, off the loop that times the streams."""
+    started = time.perf_counter()
+    while not done.is_set():
+        try:
+            metrics = await asyncio.to_thread(scrape, metrics_url)
+        except OSError:  # a failed scrape leaves a gap in the record, nothing more
+            metrics = None
+        if metrics is not None:
+            sample = {"seconds": round(time.perf_counter() - started, 2)}
+            sample.update({name: metrics.get(f"raypaged_{name}") for name in KV_GAUGES})
+            samples.append(sample)
+        try:
+            await asyncio.wait_for(done.wait(), interval_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+def kv_summary(samples: list[dict], block_size: int) -> dict:
+    """Averages over the samples where requests run (ratios of sums): pool usage, filled /
+    allocated slots, allocated-but-empty slots as a share of the pool and per running request."""
+    busy = [s for s in samples if s["num_requests_running"]]
+    if not busy:
+        return {"samples": len(samples), "busy_samples": 0}
+    pool = sum(s["kv_cache_blocks"] * block_size for s in busy)
+    allocated = sum(s["kv_cache_allocated_slots"] for s in busy)
+    filled = sum(s["kv_cache_filled_slots"] for s in busy)
+    unfilled = sum(s["kv_cache_unfilled_slots"] for s in busy)
+    running = sum(s["num_requests_running"] for s in busy)
+    return {
+        "samples": len(samples), "busy_samples": len(busy),
+        "mean_pool_usage": sum(s["kv_cache_usage_perc"] for s in busy) / len(busy),
+        "peak_pool_usage": max(s["kv_cache_usage_perc"] for s in busy),
+        "kv_utilization": filled / allocated if allocated else 1.0,  # filled / allocated slots
+        "pool_token_states": filled / pool,
+        "waste_share_of_pool": unfilled / pool,
+        "unfilled_slots_per_running_request": unfilled / running,
+        "mean_running": running / len(busy),
+        "peak_running": max(s["num_requests_running"] for s in busy),
+        "mean_waiting": sum(s["num_requests_waiting"] for s in busy) / len(busy),
+        "peak_waiting": max(s["num_requests_waiting"] for s in busy),
+    }
+
+
+# ---- one rate, one mode -------------------------------------------------------------------------
+
+def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
+    done = [t for t in timings if t.error is None]
+    output_tokens = sum(t.output_tokens for t in done)
+    tpot = [(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in done if t.output_tokens > 1]
+    return {
+        "rate": rate, "requests": len(timings), "completed": len(done),
+        "errors": len(timings) - len(done),
+        "error_examples": sorted({t.error for t in timings if t.error})[:5],
+        "duration_s": wall_s,
+        "request_throughput": len(done) / wall_s,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / wall_s,
+        "ttft": distribution([t.ttft_s for t in done]),
+        "itl": distribution([g for t in done for g in t.gaps_s]),
+        "tpot": distribution(tpot),
+        "e2e": distribution([t.e2e_s for t in done]),
+        "send_lateness": distribution([t.late_s for t in timings]),
+    }
+
+
+def run_rate(server: LaunchedServer, info, requests: list[BenchRequest], rate: float,
+             args: argparse.Namespace) -> dict:
+    prompts = fresh_prompts(requests, info.vocab_size, f"prompts:{args.seed}:{rate}")
+    offsets = poisson_offsets(len(requests), rate, f"arrivals:{args.seed}:{rate}")
+    samples: list[dict] = []
+
+    async def measure() -> tuple[list[Timing], float]:
+        done = asyncio.Event()
+        sampler = asyncio.create_task(sample_metrics(server.metrics_url, samples, done))
+        try:
+            return await drive(server.address, prompts, [r.output_len for r in requests], offsets,
+                               args.channels)
+        finally:
+            done.set()
+            await sampler
+
+    before = scrape(server.metrics_url)
+    timings, wall_s = asyncio.run(measure())
+    after = scrape(server.metrics_url)
+    result = summarize_rate(rate, timings, wall_s)
+    preemptions = "raypaged_num_preemptions_total"
+    result["preemptions"] = after.get(preemptions, 0) - before.get(preemptions, 0)
+    result["kv"] = kv_summary(samples, info.block_size)
+    result["kv_samples"] = samples
+    return result
+
+
+def warm_up(address: str, requests: list[BenchRequest], vocab_size: int, count: int = 16) -> None:
+    """A few short requests at once before the timed rates: the first prefill and decode shapes
+    (Triton compiles on first use on a GPU) are not paid by the lowest rate's TTFT."""
+    warm = requests[:count]
+    prompts = fresh_prompts(warm, vocab_size, "warm-up")
+    asyncio.run(drive(address, prompts, [8] * len(warm), [0.0] * len(warm), 1))
+
+
+def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
+             args: argparse.Namespace, record: dict, save) -> None:
+    """One server in `mode`; the rates ascending until one passes --stop-ttft-s."""
+    flags = [*launch_args, "--kv-cache-mode", mode]
+    if num_blocks:
+        flags += ["--num-gpu-blocks-override", str(num_blocks)]
+    started = time.perf_counter()
+    server = LaunchedServer(flags)
+    try:
+        server.wait_ready(args.start_timeout_s)
+        with Client(server.address) as client:
+            health = client.health(timeout=10)
+            info = client.model_info()
+        if health != "SERVING":
+            raise RuntimeError(f"{mode} server is {health}")
+        requests = trace_requests(args.num_requests, info.max_model_len, info.vocab_size, args.seed,
+                                  args.max_total_len)
+        prompt_lens = [len(r.prompt_token_ids) for r in requests]
+        mode_record = record.setdefault(mode, {})
+        mode_record.update({
+            "launch_args": flags, "start_seconds": time.perf_counter() - started,
+            "num_kv_blocks": info.num_blocks, "block_size": info.block_size,
+            "max_model_len": info.max_model_len, "model": info.name, "rates": [],
+            "trace": {"requests": len(requests),
+                      "mean_prompt_len": sum(prompt_lens) / len(requests),
+                      "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+                      "max_total_len": max(p + r.output_len for p, r in zip(prompt_lens, requests))},
+        })
+        print(f"[{mode}] serving: {info.num_blocks} KV blocks of {info.block_size}, max_model_len "
+              f"{info.max_model_len}, started in {mode_record['start_seconds']:.0f} s", flush=True)
+        warm_up(server.address, requests, info.vocab_size)
+        for rate in args.rates:
+            used = time.perf_counter() - started
+            # Its arrivals, then about the last rate's slowest request to drain: past the budget,
+            # the rate is not started (scripts/gpu_serving.sh has 5 minutes for both modes).
+            tail_s = mode_record["rates"][-1]["e2e"]["p99_ms"] / 1e3 if mode_record["rates"] else 0.0
+            if args.mode_budget_s and used + len(requests) / rate + tail_s > args.mode_budget_s:
+                mode_record["skipped_rates_for_budget"] = [r for r in args.rates if r >= rate]
+                print(f"[{mode}] {used:.0f} s used of the {args.mode_budget_s:.0f} s budget: "
+                      f"rates from {rate:g} req/s skipped", flush=True)
+                break
+            result = run_rate(server, info, requests, rate, args)
+            mode_record["rates"].append(result)
+            best = max_rate_meeting(mode_record["rates"], args.slo_ttft_s)
+            mode_record["max_rate_under_slo"] = best
+            # Every tested rate met the SLO: the server's real limit lies above the sweep.
+            mode_record["max_rate_is_lower_bound"] = best == rate
+            save()
+            print_rate(mode, result)
+            if should_stop(result, args.stop_ttft_s):
+                mode_record["stopped_after_rate"] = rate
+                print(f"[{mode}] stopping the sweep: p99 TTFT {result['ttft']['p99_ms'] / 1e3:.1f} s "
+                      f"(limit {args.stop_ttft_s} s), {result['errors']} errors", flush=True)
+                break
+        mode_record["server_exit_code"] = server.stop()
+    finally:
+        server.kill()
+
+
+def print_rate(mode: str, r: dict) -> None:
+    kv = r["kv"]
+    print(f"[{mode}] {r['rate']:g} req/s: {r['completed']}/{r['requests']} in {r['duration_s']:.1f} s, "
+          f"{r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 {r['ttft']['p50_ms']:.0f}/"
+          f"{r['ttft']['p99_ms']:.0f} ms, ITL p50/p99 {r['itl']['p50_ms']:.0f}/{r['itl']['p99_ms']:.0f} ms, "
+          f"E2E p99 {r['e2e']['p99_ms'] / 1e3:.1f} s; running {kv.get('mean_running', 0):.1f} "
+          f"(peak {kv.get('peak_running', 0)}), pool {kv.get('mean_pool_usage', 0):.0%}; "
+          f"send late p99 {r['send_lateness']['p99_ms']:.0f} ms", flush=True)
+
+
+# ---- model, report, plot ------------------------------------------------------------------------
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one token per id of the model's vocabulary: `raypaged launch`
+    needs a tokenizer to detokenize the stream, and a random-weights model dir has none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(directory)
+
+
+def model_launch_args(args: argparse.Namespace, tmp: Path) -> list[str]:
+    if args.shape is None:
+        return []  # the built-in demo model
+    dtype = args.dtype or "bfloat16"
+    directory = write_config(args.shape, dtype, tmp)
+    write_tokenizer(directory, SHAPES[args.shape]["vocab_size"])
+    return ["--model", str(directory), "--load-format", "dummy", "--dtype", dtype,
+            "--served-model-name", args.shape]
+
+
+def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ttft, tput, running) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for mode, color in zip(modes, ("tab:blue", "tab:orange")):
+        rates = record.get(mode, {}).get("rates", [])
+        x = [r["rate"] for r in rates]
+        ttft.plot(x, [r["ttft"]["p99_ms"] / 1e3 for r in rates], "o-", color=color, label=f"{mode} p99")
+        ttft.plot(x, [r["ttft"]["p50_ms"] / 1e3 for r in rates], "o--", color=color, alpha=0.6,
+                  label=f"{mode} p50")
+        tput.plot(x, [r["output_tokens_per_s"] for r in rates], "o-", color=color, label=mode)
+        running.plot(x, [r["kv"].get("mean_running", 0) for r in rates], "o-", color=color, label=mode)
+    ttft.axhline(slo_ttft_s, color="gray", linestyle=":", label=f"{slo_ttft_s:g} s")
+    ttft.set_yscale("log")
+    ttft.set_ylabel("TTFT (s)")
+    ttft.set_title(f"{record['model']} ({record['env']['device']})")
+    tput.set_ylabel("output tokens / s")
+    tput.set_title("throughput")
+    running.set_ylabel("mean running requests")
+    running.set_title(f"batch size ({record.get('num_kv_blocks')} KV blocks)")
+    for ax in (ttft, tput, running):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("request rate (req/s)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
+    print("\n| mode | rate | req/s | out tok/s | TTFT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 "
+          "| mean running | pool used | filled / held |\n" + "| --- " * 10 + "|")
+    for mode in modes:
+        for r in record.get(mode, {}).get("rates", []):
+            kv = r["kv"]
+            print(f"| {mode} | {r['rate']:g} | {r['request_throughput']:.2f} | {r['output_tokens_per_s']:,.0f} "
+                  f"| {r['ttft']['p50_ms']:,.0f} / {r['ttft']['p99_ms']:,.0f} ms "
+                  f"| {r['itl']['p50_ms']:.1f} / {r['itl']['p99_ms']:.1f} ms "
+                  f"| {r['e2e']['p50_ms'] / 1e3:.1f} / {r['e2e']['p99_ms'] / 1e3:.1f} s "
+                  f"| {kv.get('mean_running', 0):.1f} | {kv.get('mean_pool_usage', 0):.0%} "
+                  f"| {kv.get('kv_utilization', 0):.1%} |")
+    for mode in modes:
+        mode_record = record.get(mode, {})
+        best = mode_record.get("max_rate_under_slo")
+        above = " (every tested rate: the limit is higher)" if mode_record.get("max_rate_is_lower_bound") else ""
+        print(f"max rate with p99 TTFT < {slo_ttft_s:g} s, {mode}: "
+              f"{'none of the tested rates' if best is None else f'{best:g} req/s'}{above}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="a random-weights Llama of this shape (default: the built-in demo model)")
+    parser.add_argument("--dtype", default=None, help="with --shape (default bfloat16)")
+    parser.add_argument("--rates", default="1,2,4,8,16",
+                        help="request rates, req/s, comma-separated (swept ascending)")
+    parser.add_argument("--num-requests", type=int, default=20, help="requests per rate")
+    parser.add_argument("--max-total-len", type=int, default=512,
+                        help="drop requests whose prompt + output exceed this (vLLM's benchmark: "
+                             "2048; 0: keep all). 512 keeps the CPU run's tails short")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="pool size in blocks for both modes (default on CPU %d; on CUDA the "
+                             "paged server's profiled pool)" % CPU_NUM_KV_BLOCKS)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--slo-ttft-s", type=float, default=1.0)
+    parser.add_argument("--stop-ttft-s", type=float, default=10.0,
+                        help="stop a mode's sweep after a rate whose p99 TTFT passes this")
+    parser.add_argument("--mode-budget-s", type=float, default=None,
+                        help="start no rate whose arrivals would end past this many seconds of "
+                             "the mode's server (start-up included)")
+    parser.add_argument("--channels", type=int, default=4, help="gRPC connections of the client")
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument("--name", default=None,
+                        help="results file serving_<name>.json (default: <model>_<device>)")
+    parser.add_argument("--out", default=None, help="directory for the JSON and PNG")
+    parser.add_argument("launch_args", nargs=argparse.REMAINDER,
+                        help="after --: flags for raypaged launch (e.g. --max-num-seqs 512)")
+    args = parser.parse_args(argv)
+    args.rates = sorted(float(r) for r in args.rates.split(",") if r)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        parser.error(f"--modes: a comma list of {', '.join(MODES)}")
+    args.launch_args = [a for a in args.launch_args if a != "--"]
+    args.max_total_len = args.max_total_len or None
+    return args
+
+
+def device_tag() -> str:
+    import torch
+
+    return torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    began = time.perf_counter()
+    args = parse_args(argv)
+    on_cuda = device_tag() != "cpu"
+    num_blocks = args.num_kv_blocks or (None if on_cuda else CPU_NUM_KV_BLOCKS)
+    name = args.name or f"{args.shape or 'demo'}_{device_tag()}"
+    record: dict = {"env": environment(), "load_average_1_5_15min_at_start": os.getloadavg(),
+                    "model": args.shape or "demo", "args": {k: v for k, v in vars(args).items()},
+                    "slo_ttft_s": args.slo_ttft_s}
+
+    def save() -> Path:  # after every rate: a run cut short keeps what it measured
+        record["num_kv_blocks"] = num_blocks
+        record["wall_seconds"] = time.perf_counter() - began
+        record["load_average_1_5_15min_at_end"] = os.getloadavg()
+        return write_json(f"serving_{name}", record, Path(args.out) if args.out else None)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        launch_args = model_launch_args(args, Path(tmp)) + args.launch_args
+        for mode in args.modes:
+            run_mode(mode, launch_args, num_blocks, args, record, save)
+            num_blocks = record[mode]["num_kv_blocks"]  # the next mode gets exactly this pool
+    path = save()
+    print_table(record, args.modes, args.slo_ttft_s)
+    save_plot(record, args.modes, args.slo_ttft_s, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png').name} in {record['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
