@@ -16,7 +16,8 @@ Requests longer than --max-total-len are dropped, as vLLM's benchmark drops Shar
 
 Per rate, as the client sees it: TTFT (send → first token), inter-token latency (the gap before
 each streamed chunk, split over the chunk's tokens), TPOT ((E2E − TTFT) / (tokens − 1)), E2E;
-p50/p90/p99 of each, request and output-token throughput, and the KV pool read from the server's
+p50/p90/p99 of each and of E2E / output tokens (the PagedAttention paper's normalized latency),
+request and output-token throughput, and the KV pool read from the server's
 Prometheus gauges once a second. A mode's sweep stops after the first rate whose p99 TTFT passes
 --stop-ttft-s (the queue only grows from there). "Max rate" is the highest rate, going up, before
 the first one whose p99 TTFT misses --slo-ttft-s. The paged pool size (profiled on CUDA) is given
@@ -255,6 +256,9 @@ def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
         "ttft": distribution([t.ttft_s for t in done]),
         "itl": distribution([g for t in done for g in t.gaps_s]),
         "tpot": distribution(tpot),
+        # The PagedAttention paper's serving figure: E2E over output length, per request. Unlike
+        # TTFT it rises once the batch outgrows the hardware, even while everything is admitted.
+        "normalized_latency": distribution([t.e2e_s / t.output_tokens for t in done]),
         "e2e": distribution([t.e2e_s for t in done]),
         "send_lateness": distribution([t.late_s for t in timings]),
     }
@@ -395,24 +399,28 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ttft, tput, running) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (ttft, normalized, tput, running) = plt.subplots(1, 4, figsize=(20, 4.5))
     for mode, color in zip(modes, ("tab:blue", "tab:orange")):
         rates = record.get(mode, {}).get("rates", [])
         x = [r["rate"] for r in rates]
         ttft.plot(x, [r["ttft"]["p99_ms"] / 1e3 for r in rates], "o-", color=color, label=f"{mode} p99")
         ttft.plot(x, [r["ttft"]["p50_ms"] / 1e3 for r in rates], "o--", color=color, alpha=0.6,
                   label=f"{mode} p50")
+        normalized.plot(x, [r["normalized_latency"]["mean_ms"] for r in rates], "o-", color=color,
+                        label=mode)
         tput.plot(x, [r["output_tokens_per_s"] for r in rates], "o-", color=color, label=mode)
         running.plot(x, [r["kv"].get("mean_running", 0) for r in rates], "o-", color=color, label=mode)
     ttft.axhline(slo_ttft_s, color="gray", linestyle=":", label=f"{slo_ttft_s:g} s")
     ttft.set_yscale("log")
     ttft.set_ylabel("TTFT (s)")
     ttft.set_title(f"{record['model']} ({record['env']['device']})")
+    normalized.set_ylabel("mean E2E / output tokens (ms)")
+    normalized.set_title("normalized latency")
     tput.set_ylabel("output tokens / s")
     tput.set_title("throughput")
     running.set_ylabel("mean running requests")
     running.set_title(f"batch size ({record.get('num_kv_blocks')} KV blocks)")
-    for ax in (ttft, tput, running):
+    for ax in (ttft, normalized, tput, running):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("request rate (req/s)")
         ax.legend(fontsize=8)
@@ -423,7 +431,7 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
 
 def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
     print("\n| mode | rate | req/s | out tok/s | TTFT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 "
-          "| mean running | pool used | filled / held |\n" + "| --- " * 10 + "|")
+          "| E2E per token | mean running | pool used | filled / held |\n" + "| --- " * 11 + "|")
     for mode in modes:
         for r in record.get(mode, {}).get("rates", []):
             kv = r["kv"]
@@ -431,7 +439,7 @@ def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
                   f"| {r['ttft']['p50_ms']:,.0f} / {r['ttft']['p99_ms']:,.0f} ms "
                   f"| {r['itl']['p50_ms']:.1f} / {r['itl']['p99_ms']:.1f} ms "
                   f"| {r['e2e']['p50_ms'] / 1e3:.1f} / {r['e2e']['p99_ms'] / 1e3:.1f} s "
-                  f"| {kv.get('mean_running', 0):.1f} | {kv.get('mean_pool_usage', 0):.0%} "
+                  f"| {r['normalized_latency']['mean_ms']:.0f} ms | {kv.get('mean_running', 0):.1f} | {kv.get('mean_pool_usage', 0):.0%} "
                   f"| {kv.get('kv_utilization', 0):.1%} |")
     for mode in modes:
         mode_record = record.get(mode, {})
@@ -446,9 +454,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="a random-weights Llama of this shape (default: the built-in demo model)")
     parser.add_argument("--dtype", default=None, help="with --shape (default bfloat16)")
-    parser.add_argument("--rates", default="1,2,4,8,16",
+    parser.add_argument("--rates", default="1,2,4,8,16,32",
                         help="request rates, req/s, comma-separated (swept ascending)")
-    parser.add_argument("--num-requests", type=int, default=20, help="requests per rate")
+    parser.add_argument("--num-requests", type=int, default=24, help="requests per rate")
     parser.add_argument("--max-total-len", type=int, default=512,
                         help="drop requests whose prompt + output exceed this (vLLM's benchmark: "
                              "2048; 0: keep all). 512 keeps the CPU run's tails short")

@@ -136,6 +136,7 @@ def test_summary_counts_only_completed_requests():
     assert result["ttft"]["p50_ms"] == pytest.approx(200)
     assert result["itl"]["p50_ms"] == pytest.approx(150)
     assert result["tpot"]["mean_ms"] == pytest.approx(150)  # (e2e - ttft) / (tokens - 1)
+    assert result["normalized_latency"]["mean_ms"] == pytest.approx(1e3 * (1.1 + 2.3) / 2 / 11)
     assert result["e2e"]["p99_ms"] == pytest.approx(1e3 * (1.1 + 0.99 * 1.2))
 
 
