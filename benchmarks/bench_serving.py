@@ -422,6 +422,7 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
     running.set_title(f"batch size ({record.get('num_kv_blocks')} KV blocks)")
     for ax in (ttft, normalized, tput, running):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("request rate (req/s)")
         ax.legend(fontsize=8)
     fig.tight_layout()
