@@ -8,7 +8,7 @@
 #   2. --kv-cache-mode contiguous (every request reserves max_model_len = 8,192 slots) on exactly
 #      the paged server's number of blocks.
 # A mode's sweep stops after a rate with p99 TTFT over 10 s, and starts no rate that would end
-# past 130 s of that mode (start-up included): rates so skipped are listed in the JSON. Budget:
+# past 115 s of that mode (start-up included): rates so skipped are listed in the JSON. Budget:
 # ~20 s of set-up, then per mode ~35 s of start-up, 3-13 s of arrivals and ~10-15 s for the
 # longest request to drain per rate (the engine's 8B figures: 9,574 tok/s offline, ~30 req/s).
 # Writes serving_8b_h200.json and .png to $OUT (the JSON after every rate).
@@ -22,7 +22,7 @@ mkdir -p "$OUT_DIR"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 \
     || { cat "$OUT_DIR/pip.log"; exit 1; }
 python3 benchmarks/bench_serving.py --shape 8b --rates 16,24,32,48,64 --num-requests 200 \
-    --max-total-len 2048 --stop-ttft-s 10 --mode-budget-s 130 --out "$OUT_DIR" "$@" \
+    --max-total-len 2048 --stop-ttft-s 10 --mode-budget-s 115 --out "$OUT_DIR" "$@" \
     -- --max-model-len 8192 --max-num-seqs 512 --max-num-batched-tokens 8192 \
     --gpu-memory-utilization 0.85 2>&1 \
     | grep --line-buffered -v "Loading weights\|it/s\]" | tee "$OUT_DIR/serving_bench.log"
