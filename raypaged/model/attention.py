@@ -81,8 +81,10 @@ class PagedAttention(nn.Module):
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D], written into `out` if given
+        (the piecewise CUDA graphs' static buffer)."""
         k_cache, v_cache = kv_cache
         if k_cache.shape[2:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(
@@ -91,7 +93,8 @@ class PagedAttention(nn.Module):
             )
         ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
         num_decode_tokens = meta.num_decode_tokens
         if meta.num_decodes:
             ops.paged_decode(

@@ -52,17 +52,13 @@ class LlamaAttention(nn.Module):
             scale=config.head_dim**-0.5,
         )
 
-    def forward(
-        self,
-        rope: StepRotary,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def qkv(
+        self, rope: StepRotary, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = rope.apply(q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -88,20 +84,27 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        rope: StepRotary,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm can add-then-normalise in one go.
+    # The layer is cut at its attention call into the two halves around it, so that a piecewise
+    # CUDA graph can capture everything but attention (worker/piecewise_graph.py) with the same
+    # code the eager forward runs. The residual stream is carried separately so each norm can
+    # add-then-normalise in one go.
+
+    def pre_attention(
+        self, rope: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the previous layer's output, residual) -> q, k, v and the residual stream."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        q, k, v = self.self_attn.qkv(rope, hidden)
+        return q, k, v, residual
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention output [T, Hq·D] -> (this layer's output, residual stream)."""
+        hidden = self.self_attn.o_proj(attn_out)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -126,10 +129,42 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm.add_and_norm(hidden, residual)
-        return hidden
+        for i, kv_cache in enumerate(kv_caches):
+            q, k, v, residual = self.pre_attention(i, rope, hidden, residual)
+            attn_out = self.attention(i, q, k, v, kv_cache, meta)
+            hidden, residual = self.post_attention(i, attn_out, residual)
+        return self.final_norm(hidden, residual)
+
+    # The building blocks of `forward`, which the piecewise CUDA-graph runner also calls.
+
+    def pre_attention(
+        self, i: int, rope: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i up to its attention: (add &) input norm, QKV projection, rope."""
+        return self.layers[i].pre_attention(rope, hidden, residual)
+
+    def attention(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Layer i's paged attention (writes the step's K/V) -> [T, Hq·D], into `out` if given."""
+        attn_out = self.layers[i].self_attn.attn(q, k, v, kv_cache, meta, out=out)
+        return attn_out.reshape(attn_out.shape[0], -1)
+
+    def post_attention(
+        self, i: int, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i after its attention: o_proj, add & post-attention norm, MLP."""
+        return self.layers[i].post_attention(attn_out, residual)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 @dataclass(frozen=True)
