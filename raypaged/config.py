@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from raypaged.core.errors import InvalidRequestError
 
@@ -34,6 +35,12 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: how much memory the KV pool may take
     max_waiting_requests: int | None = None
     enforce_eager: bool = False  # no CUDA graphs (they are used for decode steps on CUDA)
+    # Steps mixing prefill chunks (up to piecewise_cuda_graph_max_tokens tokens) replay CUDA
+    # graphs of everything but attention. Off to measure their effect; the default can be set by
+    # RAYPAGED_PIECEWISE_CUDA_GRAPH=0 for tools that build their engine without this flag.
+    piecewise_cuda_graph: bool = field(
+        default_factory=lambda: os.environ.get("RAYPAGED_PIECEWISE_CUDA_GRAPH", "1") != "0")
+    piecewise_cuda_graph_max_tokens: int = 2048
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch on CPU
     scheduling_policy: str = "fcfs"
     # paged: blocks on demand (PagedAttention). contiguous: every request reserves max_model_len
@@ -56,6 +63,7 @@ class EngineConfig:
             (self.block_size in (8, 16, 32), f"block_size must be 8, 16 or 32, got {self.block_size}"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.piecewise_cuda_graph_max_tokens >= 1, "piecewise_cuda_graph_max_tokens must be >= 1"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.attention_backend in (None, "torch", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
@@ -96,6 +104,13 @@ class EngineConfig:
                            help="KV pool size on CPU, e.g. 512MiB")
         group.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
         group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+        group.add_argument("--piecewise-cuda-graph", action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS,
+                           help="CUDA graphs of everything but attention for steps that mix "
+                                "prefills (default on; RAYPAGED_PIECEWISE_CUDA_GRAPH=0 turns the "
+                                "default off)")
+        group.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048,
+                           help="steps with more tokens than this run eagerly")
         group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         group.add_argument("--kv-cache-mode", default="paged", choices=list(KV_CACHE_MODES),
                            help="paged (default), or contiguous: each request reserves "

@@ -11,12 +11,33 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from raypaged.model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def capture_graph(fn: Callable[[], T], pool: object = None,
+                  warmup_stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm `fn` up twice on a side stream (Triton compiles and autotunes outside the capture),
+    then capture it into a graph drawing on memory pool `pool` (None: a new one, then
+    `graph.pool()`). Returns the graph and what `fn` returned during the capture."""
+    stream = warmup_stream or torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -50,24 +71,20 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
+    def capture(self, pool: object = None) -> object:
+        """Capture one graph per batch size into memory pool `pool` (None: a new one); returns
+        the pool for other graphs to share."""
+        stream = torch.cuda.Stream()
         # Largest first, so the smaller graphs fit in the memory pool the largest reserved.
         for size in reversed(self.sizes):
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size))
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile and autotune outside the capture
-                    self.model(*args)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(*args)
+            graph, self.outputs[size] = capture_graph(lambda args=args: self.model(*args), pool,
+                                                      stream)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        return pool
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         return metadata.num_decodes == metadata.num_seqs and metadata.num_seqs <= self.sizes[-1]

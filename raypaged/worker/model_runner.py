@@ -19,6 +19,7 @@ from raypaged.kernels import ops
 from raypaged.model.attention import AttentionMetadata
 from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
+from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from raypaged.worker.sampler import Sampler, SamplingMetadata
 from raypaged.worker.sampling_metadata import needs_token_history
 from raypaged.worker.staging import DeviceStaging
@@ -69,13 +70,26 @@ class ModelRunner:
         self.block_table = BlockTable(max_blocks_per_req=-(-max_model_len // block_size))
         self.sampler = Sampler(seed)
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self.staging = DeviceStaging(device)
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                            piecewise_max_tokens: int | None) -> None:
+        """Full graphs for decode-only steps and, unless piecewise_max_tokens is None, piecewise
+        graphs for the other steps of up to that many tokens; all in one memory pool."""
+        pool = None
+        if piecewise_max_tokens is not None:
+            # Captured first: its largest bucket needs the most memory, the rest fits within.
+            # A decode graph's output may then sit where piecewise temporaries were: harmless,
+            # as it is read within its own step, before any other graph replays.
+            self.piecewise_graphs = PiecewiseGraphs(self.model, self.kv_caches,
+                                                    piecewise_sizes(piecewise_max_tokens),
+                                                    self.device)
+            pool = self.piecewise_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
                                           self.block_table.max_blocks_per_req, max_model_len,
                                           self.device)
-        self.decode_graphs.capture()
+        self.decode_graphs.capture(pool)
 
     # ---- applying the diff -------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -191,8 +205,13 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput() if self.is_driver else None
         step = self._prepare_inputs(out)
+        # Decode-only: one full graph. Other steps within the bucket cap: graphs between eager
+        # attention calls. Larger steps (GPU-bound prefills): eager.
         if self.decode_graphs is not None and self.decode_graphs.can_run(step.metadata):
             hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
+        elif (self.piecewise_graphs is not None
+              and self.piecewise_graphs.can_run(step.input_ids.shape[0])):
+            hidden = self.piecewise_graphs.run(step.input_ids, step.positions, step.metadata)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         row_states, sample_indices = step.row_states, step.sample_indices

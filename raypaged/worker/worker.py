@@ -49,6 +49,9 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
+        # The engine's token budget per step, told in determine_num_blocks: no piecewise graph
+        # is captured for more tokens than a step can hold.
+        self.max_num_batched_tokens: int | None = config.max_num_batched_tokens
 
     # ---- set-up, in the order the executor calls it ------------------------------------------
     def init_device(self) -> None:
@@ -77,6 +80,7 @@ class Worker:
 
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """How many KV blocks this rank can hold; the executor takes the minimum over ranks."""
+        self.max_num_batched_tokens = max_num_batched_tokens
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         per_block = self.bytes_per_block()
@@ -143,7 +147,15 @@ class Worker:
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
                                   seed=self.config.seed)
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            self.runner.capture_decode_graphs(self.config.max_num_seqs, max_model_len)
+            self.runner.capture_cuda_graphs(self.config.max_num_seqs, max_model_len,
+                                            self._piecewise_max_tokens())
+
+    def _piecewise_max_tokens(self) -> int | None:
+        """The largest piecewise-graph bucket, or None for no piecewise graphs."""
+        if not self.config.piecewise_cuda_graph:
+            return None
+        cap = self.config.piecewise_cuda_graph_max_tokens
+        return min(cap, self.max_num_batched_tokens or cap)
 
     # ---- per step ----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
