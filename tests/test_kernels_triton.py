@@ -195,6 +195,25 @@ def test_prefill_every_tuned_variant(variant):
                   fused_qkv=True, variant=variant)
 
 
+@pytest.mark.parametrize("new_kv", ["ptr", "tma"])
+def test_prefill_step_kv_padding_rows_past_the_last_request_are_never_used(new_kv):
+    # Padded steps (CUDA graph buckets) carry rows past query_start_loc[-1]; with TMA the
+    # diagonal tile of the last request reads them: NaN there must not leak into any output.
+    qlens, pad = [30, 21], 11
+    batch = random_paged_batch([50, 21], 2, 64, 16, torch.bfloat16)
+    q = torch.randn(51 + pad, 4, 64).to(torch.bfloat16)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, query_start_loc(qlens),
+            batch.seq_lens, 0.125)
+    k_new, v_new = (torch.cat([t, torch.full((pad, 2, 64), float("nan"), dtype=t.dtype)])
+                    for t in new_token_kv(batch, qlens))
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_triton(q, *args, out=out, k_new=k_new, v_new=v_new, new_kv=new_kv,
+                         block_m=32, block_n=32)
+    check_against_reference(out[:51], lambda cd: paged_prefill_ref(q[:51], *args, compute_dtype=cd),
+                            torch.bfloat16)
+    assert out[51:].isnan().all()  # padding rows are not written
+
+
 def test_prefill_without_step_kv_or_unusable_step_kv_reads_the_cache():
     batch = random_paged_batch([40], 2, 64, 16)
     q = torch.randn(40, 4, 64)
