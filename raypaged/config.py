@@ -40,6 +40,8 @@ class EngineConfig:
     # RAYPAGED_PIECEWISE_CUDA_GRAPH=0 for tools that build their engine without this flag.
     piecewise_cuda_graph: bool = field(
         default_factory=lambda: os.environ.get("RAYPAGED_PIECEWISE_CUDA_GRAPH", "1") != "0")
+    # Larger steps run eagerly: a big prefill is GPU-bound anyway, and each bucket costs
+    # num_layers + 1 graphs of capture time.
     piecewise_cuda_graph_max_tokens: int = 2048
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch on CPU
     scheduling_policy: str = "fcfs"

@@ -273,7 +273,8 @@ def test_on_cuda_piecewise_graphs_match_transformers_and_the_eager_path(name):
 @pytest.mark.gpu
 @gpu
 def test_on_cuda_steps_above_the_bucket_cap_run_eagerly():
-    """A prompt longer than the largest bucket is prefilled eagerly, the rest piecewise."""
+    """Steps of more tokens than the largest bucket (the 100- and 60-token prefills) run
+    eagerly, the smaller mixed ones piecewise, decode-only ones on the full graphs."""
     vocab = our_model("llama")[1].vocab_size
     prompts = random_prompts([100, 5, 60], vocab, seed=22)
     llm = LLM(str(checkpoint_dir("llama")), device="cuda", dtype="float32", block_size=16,
@@ -286,7 +287,25 @@ def test_on_cuda_steps_above_the_bucket_cap_run_eagerly():
         outputs = staggered_generate(llm, prompts, 10, [0, 1, 2])
     finally:
         llm.shutdown()
-    assert [tokens for tokens, _ in eager_calls] == [100]
+    eager_tokens = [tokens for tokens, _ in eager_calls]
+    assert 100 in eager_tokens and all(tokens > 32 for tokens in eager_tokens)
     assert piecewise_calls and all(tokens <= 32 for tokens, _ in piecewise_calls)
+    for prompt, tokens in zip(prompts, outputs):
+        assert tokens == hf_greedy(checkpoint_dir("llama"), tuple(prompt), 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_on_two_gpus_tensor_parallel_piecewise_graphs_match_transformers():
+    """TP = 2 over Ray: the pieces' all-reduces (row-parallel linears, vocab-parallel embedding)
+    are captured NCCL calls."""
+    vocab = our_model("llama")[1].vocab_size
+    prompts = random_prompts([70, 5, 40, 12], vocab, seed=23)
+    llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, device="cuda",
+              dtype="float32", block_size=16, max_num_seqs=8, max_num_batched_tokens=32)
+    try:
+        outputs = staggered_generate(llm, prompts, 10, [0, 0, 2, 4])
+    finally:
+        llm.shutdown()
     for prompt, tokens in zip(prompts, outputs):
         assert tokens == hf_greedy(checkpoint_dir("llama"), tuple(prompt), 10)

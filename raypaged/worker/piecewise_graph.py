@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+
 import torch
 
 from raypaged.model.attention import AttentionMetadata
@@ -37,9 +38,6 @@ from raypaged.worker.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
-# Steps above this many tokens run eagerly: a big prefill is GPU-bound, and each bucket costs
-# L+1 graphs of capture time.
-DEFAULT_MAX_TOKENS = 2048
 _MIN_BUCKET = 8
 
 
