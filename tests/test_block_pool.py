@@ -165,3 +165,15 @@ def test_a_hash_collision_cannot_produce_a_false_hit():
     assert pool.get_cached_block(forged) is None
     assert pool.get_cached_block(BlockHash(12345, (1, 2), ("salt",))) is None
     assert pool.get_cached_block(BlockHash(12345, (1, 2), None)) == a
+
+
+def test_a_block_whose_hash_collides_with_a_cached_one_stays_uncached():
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    real = BlockHash(12345, (1, 2), None)
+    assert pool.cache_full_block(a, real)
+    assert not pool.cache_full_block(b, BlockHash(12345, (9, 9), None))  # same hash value
+    assert pool.block_hash[b] is None and pool.get_cached_block(real) == a
+    pool.free_blocks([b, a])
+    assert pool.get_new_blocks(1) == [b]  # uncached: reused first
+    assert pool.get_cached_block(real) == a

@@ -28,9 +28,10 @@ class BlockHash(NamedTuple):
     """A full block's identity in the prefix cache.
 
     hash_value chains the parent block's hash_value, this block's token ids and its extra keys, so
-    it stands for the whole prefix up to and including the block. The cache dict is keyed by the
-    whole tuple: a hit also compares this block's token ids and extra keys exactly, so a hash
-    collision can never make a block with other tokens (or another tenant's salt) match.
+    it stands for the whole prefix up to and including the block. The cache is keyed by
+    hash_value, but a hit also compares the whole tuple (this block's token ids and extra keys)
+    exactly, so a hash collision can never make a block with other tokens (or another tenant's
+    salt) match.
     """
 
     hash_value: int
@@ -43,10 +44,15 @@ class BlockHash(NamedTuple):
         return self.hash_value
 
 
+_new_tuple = tuple.__new__
+
+
 def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...],
                       extra_keys: tuple | None = None) -> BlockHash:
     parent_value = _ROOT_HASH if parent is None else parent.hash_value
-    return BlockHash(hash((parent_value, token_ids, extra_keys)), token_ids, extra_keys)
+    # tuple.__new__ directly: BlockHash(...) would run NamedTuple's Python-level __new__ (a block
+    # fills, and is hashed, somewhere every step).
+    return _new_tuple(BlockHash, (hash((parent_value, token_ids, extra_keys)), token_ids, extra_keys))
 
 
 class BlockPool:
@@ -61,7 +67,9 @@ class BlockPool:
         # An ordered set: O(1) append, pop-oldest and removal from the middle (a prefix hit on a
         # free cached block takes it out of the queue).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[BlockHash, int] = {}
+        # hash_value -> the block caching it. Keyed by the int, not the BlockHash: a dict
+        # operation then calls no Python-level __hash__ (a block fills every step somewhere).
+        self._cached: dict[int, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
@@ -77,7 +85,10 @@ class BlockPool:
         return list(self._free)
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
-        return self._cached.get(block_hash)
+        block_id = self._cached.get(block_hash.hash_value)
+        if block_id is None or self.block_hash[block_id] != block_hash:
+            return None  # not cached, or only a block whose contents collide in hash_value
+        return block_id
 
     # ---- allocation ------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[int]:
@@ -92,7 +103,7 @@ class BlockPool:
             block_id = popitem(last=False)[0]
             cached = block_hash[block_id]
             if cached is not None:
-                del self._cached[cached]
+                del self._cached[cached.hash_value]
                 block_hash[block_id] = None
             ref_cnt[block_id] = 1
             blocks.append(block_id)
@@ -144,8 +155,8 @@ class BlockPool:
             if current == block_hash:
                 return True
             raise ValueError(f"block {block_id} is already cached under other contents")
-        if self._cached.setdefault(block_hash, block_id) != block_id:
-            return False  # another block caches these contents already
+        if self._cached.setdefault(block_hash.hash_value, block_id) != block_id:
+            return False  # another block caches these contents already (or collides with them)
         self.block_hash[block_id] = block_hash
         return True
 

@@ -90,6 +90,12 @@ class _RequestBlocks:
     # Its block at index num_computed // B is partial and was shared by a fork: check for
     # copy-on-write on its next write.
     shared_tail: bool = False
+    # Hashed into every block with its tokens. The salt goes into every block, not only the
+    # first: tenants stay apart even if two prefixes' chained hashes ever collided.
+    extra_keys: tuple | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.extra_keys = (self.request.cache_salt,) if self.request.cache_salt else None
 
 
 class KVCacheManager:
@@ -128,7 +134,7 @@ class KVCacheManager:
         blocks: list[int] = []
         for i in range(max_hit_blocks):
             if i == len(hashes):
-                self._hash_blocks(request, hashes, i + 1)
+                self._hash_blocks(state, i + 1)
             block_id = lookup(hashes[i])
             if block_id is None:
                 break
@@ -141,12 +147,32 @@ class KVCacheManager:
         state = self._requests.get(request.request_id)
         if state is None:
             raise UnknownRequestError(f"request {request.request_id!r} holds no blocks")
-        if not 0 <= num_computed_tokens <= len(state.block_ids) * self.block_size:
+        table = state.block_ids
+        if not 0 <= num_computed_tokens <= len(table) * self.block_size:
             raise ValueError(f"request {request.request_id!r}: {num_computed_tokens} computed tokens "
-                             f"do not fit its {len(state.block_ids)} blocks")
+                             f"do not fit its {len(table)} blocks")
         num_full = num_computed_tokens // self.block_size
-        if num_full > state.num_cached_blocks and self.enable_prefix_caching:
-            self._register_full_blocks(state, num_full)
+        if num_full <= state.num_cached_blocks or not self.enable_prefix_caching:
+            return
+        hashes = state.block_hashes
+        if num_full == len(hashes) + 1 == state.num_cached_blocks + 1:
+            # The one block a decode step just filled (the scheduler's call, every step for some
+            # request): hashed and registered inline.
+            block_size = self.block_size
+            token_ids = tuple(request.all_token_ids[num_full * block_size - block_size:num_full * block_size])
+            if len(token_ids) != block_size:
+                raise ValueError(f"request {request.request_id!r}: block {num_full - 1} is not full")
+            block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids, state.extra_keys)
+            hashes.append(block_hash)
+            self.block_pool.cache_full_block(table[num_full - 1], block_hash)
+            state.num_cached_blocks = num_full
+            return
+        if len(hashes) < num_full:
+            self._hash_blocks(state, num_full)
+        cache = self.block_pool.cache_full_block
+        for index in range(state.num_cached_blocks, num_full):
+            cache(table[index], hashes[index])
+        state.num_cached_blocks = num_full
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -227,7 +253,7 @@ class KVCacheManager:
         if num_new_blocks + copy_on_write > pool.num_free_blocks:
             return None
         if write_index > state.num_cached_blocks and self.enable_prefix_caching:
-            self._register_full_blocks(state, write_index)  # in case nobody called cache_blocks
+            self.cache_blocks(request, write_index * block_size)  # in case nobody called it
         if copy_on_write:
             shared = table[write_index]
             private = pool.get_new_blocks(1)[0]
@@ -258,27 +284,15 @@ class KVCacheManager:
                                  f"caches its block {i} (evicted since get_computed_blocks?)")
 
     # ---- prefix cache registration ---------------------------------------------------------------
-    def _register_full_blocks(self, state: _RequestBlocks, num_full: int) -> None:
-        hashes, table = state.block_hashes, state.block_ids
-        if len(hashes) < num_full:
-            self._hash_blocks(state.request, hashes, num_full)
-        cache = self.block_pool.cache_full_block
-        for index in range(state.num_cached_blocks, num_full):
-            cache(table[index], hashes[index])
-        state.num_cached_blocks = num_full
-
-    def _hash_blocks(self, request: Request, hashes: list[BlockHash], num_blocks: int) -> None:
-        """Extend hashes (the request's leading blocks' hashes) to its first num_blocks blocks."""
-        block_size = self.block_size
+    def _hash_blocks(self, state: _RequestBlocks, num_blocks: int) -> None:
+        """Extend the request's block hashes to its first num_blocks blocks."""
+        request, hashes, block_size = state.request, state.block_hashes, self.block_size
         tokens = request.all_token_ids
         if num_blocks * block_size > len(tokens):
             raise ValueError(f"request {request.request_id!r}: block {num_blocks - 1} is not full")
-        # The salt goes into every block, not only the first: tenants stay apart even if two
-        # prefixes' chained hashes ever collided.
-        extra_keys = (request.cache_salt,) if request.cache_salt else None
         parent = hashes[-1] if hashes else None
         for start in range(len(hashes) * block_size, num_blocks * block_size, block_size):
-            parent = hash_block_tokens(parent, tuple(tokens[start:start + block_size]), extra_keys)
+            parent = hash_block_tokens(parent, tuple(tokens[start:start + block_size]), state.extra_keys)
             hashes.append(parent)
 
     # ---- release and sharing ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ class RequestStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -51,6 +51,9 @@ class Request:
     # which it stops for length. Until then they send every token through the full check.
     stop_token_set: frozenset[int] = field(init=False, default=frozenset(), repr=False)
     max_num_tokens: int = field(init=False, default=0, repr=False)
+    # Its next output record must be kept whole (see EngineCoreOutputs): until its first token,
+    # and for good for a sample i > 0 or a request that asked for logprobs.
+    whole_records: bool = field(init=False, default=True, repr=False)
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice, repeat
+from types import SimpleNamespace
 
 from raypaged.core.admission import check_new_request
 from raypaged.core.errors import NoFreeBlocksError, UnknownRequestError
@@ -37,6 +38,9 @@ _RUNNING = RequestStatus.RUNNING
 # new_block_ids of every running request whose table did not grow: one shared list, which its
 # readers (the workers) never write to; building a fresh one per request per step costs.
 _NO_BLOCKS: list[int] = []
+# What update_from_output finds for a runner's request id the scheduler no longer holds (aborted
+# while the step ran): anything not running is skipped, so one check serves both cases.
+_GONE = SimpleNamespace(status=RequestStatus.FINISHED)
 _LENGTH = FinishReason.LENGTH
 
 
@@ -155,19 +159,22 @@ class Scheduler:
         each gets its next prefill chunk or decode token. Returns the budget left."""
         allocate = self.kv_cache_manager.allocate_slots
         block_size = self.config.block_size
-        num_slots, on_workers, rewritten = self._num_slots, self._on_workers, self._rewritten
+        num_slots, on_workers = self._num_slots, self._on_workers
         num_scheduled = out.num_scheduled_tokens
         cached = out.scheduled_cached_reqs
         ids_append, tokens_append = cached.req_ids.append, cached.new_token_ids.append
-        blocks_append, computed_append = cached.new_block_ids.append, cached.num_computed_tokens.append
+        computed_append = cached.num_computed_tokens.append
         running, scheduled = self.running, self._scheduled
         i = 0
         while i < len(running) and budget > 0:
-            # The common case, tight: a request whose whole remaining tokens fit the budget and
-            # get their slots. This loop leaves `running` as it is (so it may iterate the list
-            # itself) and schedules a contiguous run of it; it breaks out for the rest: a chunk,
-            # the budget spent, no free block (preemption).
-            start = i
+            # The common case, tight: a request the workers hold whose remaining tokens fit the
+            # budget and get their slots. This loop schedules a contiguous run of `running` and
+            # leaves the list as it is (so it may iterate it directly); it breaks out for the
+            # rest: a chunk, the budget spent, a table not counted (after a fork, or unknown to
+            # the workers), no free block (preemption). Per request it only appends what
+            # differs; the run's bookkeeping is done in bulk after it.
+            first = len(num_scheduled)
+            grown: list[tuple[int, list[int]]] = []  # (index in the run, blocks appended)
             for request in running if i == 0 else islice(running, i, None):
                 computed = request.num_computed_tokens
                 tokens = request.all_token_ids
@@ -176,28 +183,31 @@ class Scheduler:
                     break
                 request_id = request.request_id
                 slots = num_slots[request_id]
-                if computed + num_new <= slots:
-                    # The table has room, so the manager would hand out nothing; and the workers
-                    # hold the request (else its slots would be -1: see _num_slots).
-                    new_blocks = _NO_BLOCKS
-                else:
+                if computed + num_new > slots:
+                    # The table must grow (a decode entering a new block). A table counted
+                    # here (slots >= 0) is private, so its growth never copies on write and
+                    # the workers get only the new blocks.
+                    if slots < 0 or request_id not in on_workers:
+                        break
                     new_blocks = allocate(request, num_new)
                     if new_blocks is None:
                         break
-                    if slots < 0 or request_id not in on_workers or request_id in rewritten:
-                        self._schedule_allocated(request, computed, num_new, new_blocks, out)
-                        budget -= num_new
-                        i += 1
-                        continue
                     num_slots[request_id] = slots + len(new_blocks) * block_size
+                    grown.append((len(num_scheduled) - first, new_blocks))
                 num_scheduled[request_id] = num_new
                 ids_append(request_id)
-                tokens_append(tokens[computed:])
-                blocks_append(new_blocks)
+                # A decode's one token, built without a slice (cheaper, and this runs per request).
+                tokens_append([tokens[computed]] if num_new == 1 else tokens[computed:])
                 computed_append(computed)
                 budget -= num_new
-                i += 1
-            scheduled += running[start:i]  # in one go, before a preemption may look for one
+            count = len(num_scheduled) - first
+            scheduled += running[i:i + count]
+            block_ids = cached.new_block_ids
+            base = len(block_ids)
+            block_ids += [_NO_BLOCKS] * count
+            for k, new_blocks in grown:
+                block_ids[base + k] = new_blocks
+            i += count
             if i >= len(running) or budget <= 0:
                 break
             i, budget = self._schedule_running_slow(i, budget, out)
@@ -309,7 +319,7 @@ class Scheduler:
         if scheduler_output is self._last_output and req_ids == list(num_scheduled):
             in_order, nums = self._scheduled, num_scheduled.values()  # the usual case: as scheduled
         elif len(req_ids) == len(num_scheduled) and num_scheduled.keys() == set(req_ids):
-            in_order = [self.requests.get(request_id) for request_id in req_ids]
+            in_order = [self.requests.get(request_id, _GONE) for request_id in req_ids]
             nums = [num_scheduled[request_id] for request_id in req_ids]
         else:
             raise ValueError("the model runner's output does not answer the scheduled requests")
@@ -321,7 +331,7 @@ class Scheduler:
         finished = False
         for request, num_new, sampled, new_logprobs in zip(
                 in_order, nums, sampled_token_ids, logprobs or repeat(None)):
-            if request is None or request.status is not _RUNNING:
+            if request.status is not _RUNNING:
                 continue  # aborted while the step ran
             computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = computed
@@ -332,13 +342,12 @@ class Scheduler:
                 if sampled:
                     raise ValueError(f"request {request.request_id!r} sampled a token mid-prompt")
                 continue
-            outputs_so_far = request.output_token_ids
-            if len(sampled) != 1 or not outputs_so_far or new_logprobs is not None or request.sample_index:
+            if request.whole_records or len(sampled) != 1:
                 # A first token (n > 1: the fork), logprobs, a sample's record: kept whole.
                 finished |= self._take_sampled(request, sampled, new_logprobs, outputs)
                 continue
             token = sampled[0]
-            outputs_so_far.append(token)
+            request.output_token_ids.append(token)
             tokens.append(token)
             if token in request.stop_token_set or len(tokens) >= request.max_num_tokens:
                 reason, stop_reason = check_stop(request, token, max_model_len)
@@ -369,6 +378,7 @@ class Scheduler:
         token = sampled[0]
         request.output_token_ids.append(token)
         request.all_token_ids.append(token)
+        request.whole_records = request.sample_index != 0 or params.logprobs is not None
         reason, stop_reason = check_stop(request, token, self.config.max_model_len)
         if reason is not None:
             self._finish(request, reason, stop_reason, self._finished_req_ids)
