@@ -44,6 +44,7 @@ def _install_worker_timers(dump_to_file: bool = False) -> dict:
     from raypaged.model import llama
     from raypaged.worker import model_runner, sampler, sampling_metadata
     from raypaged.worker.cuda_graph import DecodeGraphs
+    from raypaged.worker.piecewise_graph import PiecewiseGraphs
 
     store: dict = {"steps": [], "current": None}
 
@@ -80,6 +81,7 @@ def _install_worker_timers(dump_to_file: bool = False) -> dict:
     timed(runner_cls, "_update_states", "update_states")
     timed(runner_cls, "_prepare_inputs", "prepare_inputs")
     timed(DecodeGraphs, "run", "forward_graph")
+    timed(PiecewiseGraphs, "run", "forward_piecewise")
     timed(sampler.Sampler, "forward", "sampler")
     timed(sampling_metadata.SamplingMetadata, "build", "sampling_metadata")
     timed(llama.LlamaForCausalLM, "forward", "forward_eager")
@@ -176,6 +178,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--executors", default="uni,ray")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-piecewise-cuda-graph", action="store_true",
+                        help="mixed steps run eagerly (the effect of piecewise graphs)")
     parser.add_argument("--mixed-prompt-len", type=int, default=0,
                         help="add a request with a prompt this long before every measured step, "
                              "so each step mixes the batch's decodes with one prefill (eager)")
@@ -216,7 +220,8 @@ def main() -> int:
                       max_num_seqs=max(batch_sizes) + (args.steps if args.mixed_prompt_len else 0),
                       max_num_batched_tokens=8192 if device.type == "cuda" else 2048,
                       gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
-                      enforce_eager=args.enforce_eager, distributed_executor_backend=executor)
+                      enforce_eager=args.enforce_eager, distributed_executor_backend=executor,
+                      piecewise_cuda_graph=not args.no_piecewise_cuda_graph)
             for batch in batch_sizes:
                 phases = profile_batch(llm, batch, args.context, args.steps, vocab, worker_steps,
                                        args.mixed_prompt_len)
@@ -234,7 +239,8 @@ def main() -> int:
         print(f"| {key} | " + " | ".join(f"{result['phases_us'][c].get(key, float('nan')):.0f}"
                                          for c in columns) + " |")
     device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    name = f"profile_step_{args.shape}_{device_tag}" + ("_mixed" if args.mixed_prompt_len else "")
+    name = (f"profile_step_{args.shape}_{device_tag}" + ("_mixed" if args.mixed_prompt_len else "")
+            + ("_no_piecewise" if args.no_piecewise_cuda_graph else ""))
     print(f"wrote {write_json(name, result, args.out)}")
     return 0
 

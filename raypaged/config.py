@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raypaged.core.errors import InvalidRequestError
 
@@ -36,10 +35,8 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     enforce_eager: bool = False  # no CUDA graphs (they are used for decode steps on CUDA)
     # Steps mixing prefill chunks (up to piecewise_cuda_graph_max_tokens tokens) replay CUDA
-    # graphs of everything but attention. Off to measure their effect; the default can be set by
-    # RAYPAGED_PIECEWISE_CUDA_GRAPH=0 for tools that build their engine without this flag.
-    piecewise_cuda_graph: bool = field(
-        default_factory=lambda: os.environ.get("RAYPAGED_PIECEWISE_CUDA_GRAPH", "1") != "0")
+    # graphs of everything but attention. Off to measure their effect.
+    piecewise_cuda_graph: bool = True
     # Larger steps run eagerly: a big prefill is GPU-bound anyway, and each bucket costs
     # num_layers + 1 graphs of capture time.
     piecewise_cuda_graph_max_tokens: int = 2048
@@ -107,10 +104,9 @@ class EngineConfig:
         group.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
         group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         group.add_argument("--piecewise-cuda-graph", action=argparse.BooleanOptionalAction,
-                           default=argparse.SUPPRESS,
+                           default=True,
                            help="CUDA graphs of everything but attention for steps that mix "
-                                "prefills (default on; RAYPAGED_PIECEWISE_CUDA_GRAPH=0 turns the "
-                                "default off)")
+                                "prefills (default on)")
         group.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048,
                            help="steps with more tokens than this run eagerly")
         group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
