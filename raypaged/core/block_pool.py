@@ -100,7 +100,7 @@ class BlockPool:
         ref_cnt, block_hash = self.ref_cnt, self.block_hash
         blocks = []
         for _ in range(num_blocks):
-            block_id = popitem(last=False)[0]
+            block_id = popitem(False)[0]  # the oldest (positional: a keyword costs a parse per call)
             cached = block_hash[block_id]
             if cached is not None:
                 del self._cached[cached.hash_value]

@@ -1,0 +1,197 @@
+"""The Scheduler's other half: update_from_output() takes one step's sampled tokens.
+
+For every request the step answered it advances the computed tokens (registering a block that
+filled into the prefix cache), appends the token, checks stop conditions, and returns the step's
+records as one EngineCoreOutputs batch: a plain record (the request's next token) costs two list
+entries, and only the rare ones (a first token, a finish, a sample, logprobs) are built whole.
+An n > 1 request forks here once its prompt is done; a finished request's blocks are freed at once.
+
+Split from scheduler.py for size: SchedulerUpdate holds no state of its own; Scheduler (which
+derives from it) sets up the attributes annotated below.
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+from types import SimpleNamespace
+from typing import Callable
+
+from raypaged.core.errors import NoFreeBlocksError
+from raypaged.core.kv_cache_interface import KVCacheManagerInterface
+from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, Logprobs, ModelRunnerOutput, SchedulerOutput
+from raypaged.core.request import FinishReason, Request, RequestStatus
+from raypaged.core.request_queue import RequestQueue
+from raypaged.core.scheduler_config import SchedulerConfig
+from raypaged.core.stop_checks import check_stop, prepare_stop_checks
+
+_RUNNING = RequestStatus.RUNNING
+# What update_from_output finds for a runner's request id the scheduler no longer holds (aborted
+# while the step ran): anything not running is skipped, so one check serves both cases.
+_GONE = SimpleNamespace(status=RequestStatus.FINISHED)
+
+
+class SchedulerUpdate:
+    """update_from_output, the n > 1 fork and finishing a request (base class of Scheduler)."""
+
+    config: SchedulerConfig
+    kv_cache_manager: KVCacheManagerInterface
+    waiting: RequestQueue
+    running: list[Request]
+    requests: dict[str, Request]
+    _groups: dict[str, set[str]]
+    _on_workers: set[str]
+    _finished_req_ids: set[str]
+    _pending_outputs: EngineCoreOutputs
+    _num_slots: dict[str, int]
+    _last_output: SchedulerOutput | None
+    _scheduled: list[Request]
+    _cache_blocks: Callable[[Request, int], None] | None
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Take one step's sampled tokens. Returns a record for each request that got a token or
+        finished (after any that finished inside schedule())."""
+        outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        req_ids = model_runner_output.req_ids
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        if len(sampled_token_ids) != len(req_ids) or (logprobs and len(logprobs) != len(req_ids)):
+            raise ValueError("the model runner's output lists differ in length")
+        if scheduler_output is self._last_output and req_ids == list(num_scheduled):
+            in_order, nums = self._scheduled, num_scheduled.values()  # the usual case: as scheduled
+        elif len(req_ids) == len(num_scheduled) and num_scheduled.keys() == set(req_ids):
+            in_order = [self.requests.get(request_id, _GONE) for request_id in req_ids]
+            nums = [num_scheduled[request_id] for request_id in req_ids]
+        else:
+            raise ValueError("the model runner's output does not answer the scheduled requests")
+        self._last_output = None
+        cache_blocks = self._cache_blocks
+        block_size = self.config.block_size
+        max_model_len = self.config.max_model_len
+        ids_append, tokens_append = outputs.req_ids.append, outputs.new_token_ids.append
+        finished = False
+        for request, num_new, sampled, new_logprobs in zip(
+                in_order, nums, sampled_token_ids, logprobs or repeat(None)):
+            if request.status is not _RUNNING:
+                continue  # aborted while the step ran
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            if computed % block_size < num_new and cache_blocks is not None:
+                cache_blocks(request, computed)  # the step filled a block: into the prefix cache
+            tokens = request.all_token_ids
+            if computed != len(tokens):
+                if sampled:
+                    raise ValueError(f"request {request.request_id!r} sampled a token mid-prompt")
+                continue
+            if request.whole_records or len(sampled) != 1:
+                # A first token (n > 1: the fork), logprobs, a sample's record: kept whole.
+                finished |= self._take_sampled(request, sampled, new_logprobs, outputs)
+                continue
+            token = sampled[0]
+            request.output_token_ids.append(token)
+            tokens.append(token)
+            if token in request.stop_token_set or len(tokens) >= request.max_num_tokens:
+                reason, stop_reason = check_stop(request, token, max_model_len)
+                if reason is not None:
+                    self._finish(request, reason, stop_reason, self._finished_req_ids)
+                    finished = True
+                    outputs.append(self._output(request, sampled, None))
+                    continue
+            # The plain record: the request's next token and nothing else.
+            ids_append(request.request_id)
+            tokens_append(sampled)
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def _take_sampled(self, request: Request, sampled: list[int], logprobs: list[Logprobs] | None,
+                      outputs: EngineCoreOutputs) -> bool:
+        """update_from_output for a request whose record is kept whole. Returns whether it
+        finished."""
+        params = request.sampling_params
+        if params.n > 1 and not request.output_token_ids:
+            self._fork(request, sampled, logprobs, outputs)
+            sampled = sampled[:1]
+            logprobs = logprobs[:1] if logprobs else logprobs
+        elif len(sampled) != 1:
+            raise ValueError(f"request {request.request_id!r}: expected one sampled token, "
+                             f"got {len(sampled)}")
+        token = sampled[0]
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        request.whole_records = request.sample_index != 0 or params.logprobs is not None
+        reason, stop_reason = check_stop(request, token, self.config.max_model_len)
+        if reason is not None:
+            self._finish(request, reason, stop_reason, self._finished_req_ids)
+        outputs.append(self._output(request, [token], logprobs))
+        return reason is not None
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None,
+                dropped_ids: set[str]) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv_cache_manager.free(request)
+        request_id = request.request_id
+        del self.requests[request_id]
+        self._num_slots.pop(request_id, None)
+        group = self._groups[request.group_id]
+        group.discard(request_id)
+        if not group:
+            del self._groups[request.group_id]
+        if request_id in self._on_workers:
+            self._on_workers.discard(request_id)
+            dropped_ids.add(request_id)
+
+    def _output(self, request: Request, token_ids: list[int], logprobs) -> EngineCoreOutput:
+        return EngineCoreOutput(request.request_id, request.group_id, request.sample_index, token_ids,
+                                logprobs, request.finish_reason, request.stop_reason,
+                                request.num_prompt_tokens, request.num_cached_tokens)
+
+    def _fork(self, parent: Request, sampled: list[int], logprobs: list[Logprobs] | None,
+              outputs: EngineCoreOutputs) -> None:
+        """The group's prompt is done and the worker sampled one token per sample: the parent
+        keeps token 0, samples 1..n-1 become requests of their own sharing its blocks. They go
+        just before the parent in running, so they are scheduled (and copy the shared partial
+        block) first and the parent usually writes into it in place."""
+        n = parent.sampling_params.n
+        if len(sampled) != n:
+            raise ValueError(f"request {parent.request_id!r} with n={n} got {len(sampled)} samples")
+        kv = self.kv_cache_manager
+        group_id = parent.group_id
+        forked = []
+        for i in range(1, n):
+            child = Request(
+                request_id=f"{group_id}#{i}", prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=parent.sampling_params.for_sample(i), eos_token_id=parent.eos_token_id,
+                arrival_time=parent.arrival_time, priority=parent.priority, cache_salt=parent.cache_salt,
+                group_id=group_id, sample_index=i)
+            prepare_stop_checks(child, self.config.max_model_len)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.append_output_token(sampled[i])
+            child_logprobs = [logprobs[i]] if logprobs else None
+            reason, stop_reason = check_stop(child, sampled[i], self.config.max_model_len)
+            if reason is not None:  # done at once: it never needs blocks of its own
+                child.status, child.finish_reason, child.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+                outputs.append(self._output(child, [sampled[i]], child_logprobs))
+                continue
+            self.requests[child.request_id] = child
+            self._groups[group_id].add(child.request_id)
+            outputs.append(self._output(child, [sampled[i]], child_logprobs))
+            if len(self.running) + len(forked) < self.config.max_num_seqs:
+                child.num_computed_tokens = parent.num_computed_tokens
+                try:
+                    kv.fork(parent, child)
+                except NoFreeBlocksError:  # a manager that copies instead of sharing
+                    child.num_computed_tokens = 0
+                else:
+                    child.status = _RUNNING
+                    self._num_slots[child.request_id] = -1
+                    forked.append(child)
+                    continue
+            self.waiting.add_preempted(child)  # no room in the batch: it recomputes later
+        if forked:
+            self._num_slots[parent.request_id] = -1  # its last block may now be shared
+            at = self.running.index(parent)
+            self.running[at:at] = forked
