@@ -37,7 +37,8 @@ class CachedRequestData:
     # all_token_ids[num_computed : num_computed + num_scheduled]: the tokens this step computes.
     # Workers write them at those positions, so their token history stays complete.
     new_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
+    # Appended to the block table. Read-only: every entry without new blocks is one shared [].
+    new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
@@ -69,6 +70,8 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     # Per request: [] for a prefill chunk that does not reach the end of its tokens; n tokens
     # when an n > 1 request finishes its prompt (one per sample, then it forks); else 1 token.
+    # Lists of their own that nobody writes to afterwards: the scheduler hands a one-token list
+    # on, uncopied, in the step's output record.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Per request, per sampled token (None where logprobs were not asked for).
     logprobs: list[list[Logprobs] | None] = field(default_factory=list)
