@@ -22,7 +22,6 @@ from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from raypaged.worker.sampler import Sampler, SamplingMetadata
 from raypaged.worker.sampling_metadata import needs_token_history
-from raypaged.worker.staging import DeviceStaging
 
 
 @dataclass
@@ -71,7 +70,6 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
-        self.staging = DeviceStaging(device)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
                             piecewise_max_tokens: int | None) -> None:
@@ -180,22 +178,22 @@ class ModelRunner:
                             * self.block_size + positions % self.block_size)
         # Every row sampled once, in order (a plain decode step): no gather of the hidden states.
         all_rows = len(sample_rows) == num_tokens
-        ids_t, positions_t, slots_t, rows_t = self.staging.upload(
-            [np.array(input_ids, dtype=np.int64), positions, slot_mapping,
-             np.array([] if all_rows else sample_rows, dtype=np.int64)], torch.int64)
-        seq_lens_t, query_start_t, block_tables_t = self.staging.upload(
-            [seq_lens, query_start_loc, block_tables], torch.int32)
+        # One small copy per array. Packing them into one pinned buffer was measured slower on
+        # the H200 (benchmarks/bench_staging.py: 149 vs 81 us a step at batch 1).
+        dev = self.device
+        ids_t = _to_device(np.array(input_ids, dtype=np.int64), dev)
+        rows_t = None if all_rows else _to_device(np.array(sample_rows, dtype=np.int64), dev)
         metadata = AttentionMetadata(
-            slot_mapping=slots_t,
-            block_tables=block_tables_t,
-            seq_lens=seq_lens_t,
-            query_start_loc=query_start_t,
+            slot_mapping=_to_device(slot_mapping, dev),
+            block_tables=_to_device(block_tables, dev),
+            seq_lens=_to_device(seq_lens.astype(np.int32), dev),
+            query_start_loc=_to_device(query_start_loc.astype(np.int32), dev),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_query_len=max(counts),
             max_seq_len=int(seq_lens.max()),
         )
-        return StepInputs(states, ids_t, positions_t, metadata, None if all_rows else rows_t,
+        return StepInputs(states, ids_t, _to_device(positions, dev), metadata, rows_t,
                           row_states, sample_indices)
 
     # ---- one step --------------------------------------------------------------------------------
@@ -261,4 +259,6 @@ class ModelRunner:
         return result
 
 
-
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
