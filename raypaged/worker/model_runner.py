@@ -89,6 +89,14 @@ class ModelRunner:
                                           self.device)
         self.decode_graphs.capture(pool)
 
+    def release(self) -> None:
+        """Drop the graphs and the KV pool now. The pool's list is shared with both graph
+        runners: emptying it frees the tensors even while something still holds the runner."""
+        self.decode_graphs = None
+        self.piecewise_graphs = None
+        self.kv_caches.clear()
+        self.requests.clear()
+
     # ---- applying the diff -------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:

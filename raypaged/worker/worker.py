@@ -3,6 +3,7 @@ model, sizes the KV pool by profiling, allocates it, and runs the ModelRunner.""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -166,7 +167,12 @@ class Worker:
         parallel.reset_tensor_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.runner is not None:
+            self.runner.release()
         self.runner = None
         self.model = None
         if self.device.type == "cuda":
+            # The engine freezes the collector after start-up; anything of this worker caught in
+            # a reference cycle is only found by an explicit collection.
+            gc.collect()
             torch.cuda.empty_cache()
