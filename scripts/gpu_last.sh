@@ -11,7 +11,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings tests/test_piecewise_graphs.py \
     tests/test_engine_generate.py tests/test_kernels_triton.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -4
 source .device/setup.sh
-timeout 130 python3 benchmarks/bench_engine.py --shape 8b --executors uni,ray --batch-sizes 1,64 \
-    --context 1024 --decode-steps 60 --throughput-batch 128 --prompt-len 512 --output-len 256 \
+timeout 110 python3 benchmarks/bench_engine.py --shape 8b --executors uni,ray --batch-sizes 1,64 \
+    --context 1024 --decode-steps 40 --throughput-batch 128 --prompt-len 512 --output-len 256 \
     --out "$OUT_DIR" 2>&1 | grep "^|"
-timeout 290 bash scripts/gpu_serving.sh --mode-budget-s 100 2>&1 | grep -v "^\[" | tail -25
+timeout 280 bash scripts/gpu_serving.sh --mode-budget-s 95 2>&1 | grep -v "^\[" | tail -25
