@@ -8,6 +8,8 @@ reached, goes through check_stop().
 
 from __future__ import annotations
 
+import functools
+
 from raypaged.core.request import FinishReason, Request
 
 _STOP = FinishReason.STOP
@@ -22,9 +24,16 @@ def prepare_stop_checks(request: Request, max_model_len: int) -> None:
     stop_ids = set(params.stop_token_ids)
     if request.eos_token_id is not None and not params.ignore_eos:
         stop_ids.add(request.eos_token_id)
-    request.stop_token_set = frozenset(stop_ids)
+    request.stop_token_set = _shared_set(tuple(sorted(stop_ids)))
     # len(outputs) >= max_tokens  <=>  len(prompt + outputs) >= len(prompt) + max_tokens
     request.max_num_tokens = min(len(request.prompt_token_ids) + params.max_tokens, max_model_len)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_set(stop_ids: tuple[int, ...]) -> frozenset[int]:
+    """One set object for all requests with the same stop ids (most share {EOS}): the per-step
+    check then reads one set that stays in cache, not one per request."""
+    return frozenset(stop_ids)
 
 
 def check_stop(request: Request, token: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
