@@ -17,6 +17,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py defaults it to 1 for CPU runs
 source .device/setup.sh  # raypaged launch runs the engine in a Ray actor
+# The frontend's health and reflection services: not on the GPU machine. Put their wheels in
+# .device/ first (on a CPU machine: pip download --no-deps -d .device
+# "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0": 1.84.0 to match its grpcio).
+if ! python3 -c "import grpc_health, grpc_reflection" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .device/grpcio_health_checking-*.whl .device/grpcio_reflection-*.whl
+fi
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 \
