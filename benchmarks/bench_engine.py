@@ -109,6 +109,30 @@ def hf_throughput(model_dir: Path, count: int, prompt_len: int, output_len: int,
             "output_tokens_per_s": generated / elapsed}
 
 
+def save_plot(rows: list[dict], path: Path) -> None:
+    """Decode step time against batch size, per executor, beside the byte floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for executor in sorted({r["executor"] for r in rows}):
+        mine = sorted((r for r in rows if r["executor"] == executor), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in mine], [r["step_ms"] for r in mine], "o-", label=f"raypaged ({executor})")
+    floor = sorted({(r["batch"], r["floor_ms"]) for r in rows})
+    ax.plot([b for b, _ in floor], [f for _, f in floor], "k--", label="byte floor")
+    ax.plot([b for b, _ in floor], [1.2 * f for _, f in floor], "k:", label="1.2x floor (target)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (decoding requests)")
+    ax.set_ylabel("decode step, ms")
+    ax.set_title(f"decode step, context {rows[0]['context']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -193,7 +217,8 @@ def main() -> int:
         print(f"| transformers generate, same requests | {hf:.0f} output tok/s ({ours / hf:.1f}x) |")
     device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
     path = write_json(f"engine_{args.shape}_{device_tag}", result, args.out)
-    print(f"wrote {path}")
+    save_plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
     return 0
 
 

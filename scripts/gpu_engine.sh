@@ -8,6 +8,6 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py defaults it to
 source .device/setup.sh
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "WARNING: Running pip" || true
 python3 -m pytest -q -m gpu tests/test_engine_generate.py -p no:cacheprovider
-python3 benchmarks/bench_engine.py --shape 8b --hf --executors uni,ray --batch-sizes 1,64 \
+python3 benchmarks/bench_engine.py --shape 8b --hf --executors uni,ray --batch-sizes 1,8,64,256 \
   --context 1024 --decode-steps 30 --throughput-batch 128 --prompt-len 512 --output-len 256 \
   --out "${OUT:-benchmarks/results}"
