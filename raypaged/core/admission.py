@@ -35,7 +35,7 @@ def check_new_request(request: Request, config: SchedulerConfig, kv_cache_manage
         if f"{group_id}#{i}" in requests:
             raise InvalidRequestError(f"sample id {group_id}#{i} of request {request_id!r} "
                                       "is already in use")
-    if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+    if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.num_output_tokens:
         raise InvalidRequestError(f"request {request_id!r} is not new (status {request.status.name})")
     prompt = request.prompt_token_ids
     if not prompt:

@@ -36,7 +36,6 @@ class Request:
     group_id: str = ""
     sample_index: int = 0
 
-    output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first schedule
@@ -44,7 +43,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id (or string) that ended it
-    # Kept alongside prompt/output so the hot path never concatenates lists.
+    # Prompt then outputs: the one list a step appends to (outputs are its tail, see
+    # output_token_ids), so the per-request hot path touches one list, not two.
     all_token_ids: list[int] = field(init=False)
     # Set by the scheduler when it takes the request (core/stop_checks.py), so that its per-step
     # stop check is two comparisons: the token ids that may stop it, and the number of tokens at
@@ -59,7 +59,7 @@ class Request:
         if not self.group_id:
             self.group_id = self.request_id
         self.prompt_token_ids = list(self.prompt_token_ids)
-        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.all_token_ids = list(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,7 +67,12 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy: append through append_output_token)."""
+        return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +83,6 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

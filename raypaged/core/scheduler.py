@@ -290,7 +290,7 @@ class Scheduler(SchedulerUpdate):
                     continue
                 break
             waiting.pop()
-            if request.status is RequestStatus.WAITING and not request.output_token_ids:
+            if request.status is RequestStatus.WAITING and not request.num_output_tokens:
                 request.num_cached_tokens = num_hit_tokens  # first schedule of a fresh request
             request.status = _RUNNING
             request.num_computed_tokens = num_hit_tokens

@@ -89,7 +89,6 @@ class SchedulerUpdate:
                 finished |= self._take_sampled(request, sampled, new_logprobs, outputs)
                 continue
             token = sampled[0]
-            request.output_token_ids.append(token)
             tokens.append(token)
             if token in request.stop_token_set or len(tokens) >= request.max_num_tokens:
                 reason, stop_reason = check_stop(request, token, max_model_len)
@@ -110,7 +109,7 @@ class SchedulerUpdate:
         """update_from_output for a request whose record is kept whole. Returns whether it
         finished."""
         params = request.sampling_params
-        if params.n > 1 and not request.output_token_ids:
+        if params.n > 1 and not request.num_output_tokens:
             self._fork(request, sampled, logprobs, outputs)
             sampled = sampled[:1]
             logprobs = logprobs[:1] if logprobs else logprobs
@@ -118,7 +117,6 @@ class SchedulerUpdate:
             raise ValueError(f"request {request.request_id!r}: expected one sampled token, "
                              f"got {len(sampled)}")
         token = sampled[0]
-        request.output_token_ids.append(token)
         request.all_token_ids.append(token)
         request.whole_records = request.sample_index != 0 or params.logprobs is not None
         reason, stop_reason = check_stop(request, token, self.config.max_model_len)

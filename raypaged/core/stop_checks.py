@@ -43,7 +43,7 @@ def check_stop(request: Request, token: int, max_model_len: int) -> tuple[Finish
         reason, stop_reason = stop_on_token(request, token)
         if reason is not None:
             return reason, stop_reason
-    if len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
+    if request.num_output_tokens >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
         return _LENGTH, None
     return None, None
 
@@ -52,7 +52,7 @@ def stop_on_token(request: Request, token: int) -> tuple[FinishReason | None, in
     """`token` is EOS or a stop id: it stops the request unless min_tokens are not out yet (or it
     is EOS and EOS is ignored). EOS reports no stop_reason; a stop id reports itself."""
     params = request.sampling_params
-    if len(request.output_token_ids) < params.min_tokens:
+    if request.num_output_tokens < params.min_tokens:
         return None, None
     if token == request.eos_token_id and not params.ignore_eos:
         return _STOP, None
