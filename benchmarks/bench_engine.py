@@ -52,18 +52,26 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(count)]
 
 
+def start_decoding(engine, batch: int, context: int, vocab: int, params: SamplingParams,
+                   prefix: str) -> list[str]:
+    """Add `batch` greedy requests of `context` prompt tokens and step the engine through their
+    prefill (chunked or not) until every one is decoding. Returns their ids."""
+    from raypaged.core.request import Request
+
+    ids = [f"{prefix}-{batch}-{i}" for i in range(batch)]
+    for request_id, prompt in zip(ids, prompts(batch, context, vocab, seed=batch)):
+        engine.add_request(Request(request_id, prompt["prompt_token_ids"], params))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    return ids
+
+
 def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
                    device: torch.device) -> float:
     """Median engine step time with `batch` requests all decoding at ~`context` tokens."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    from raypaged.core.request import Request
-
-    ids = [f"decode-{batch}-{i}" for i in range(batch)]
-    for request_id, prompt in zip(ids, prompts(batch, context, vocab, seed=batch)):
-        engine.add_request(Request(request_id, prompt["prompt_token_ids"], params))
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()  # prefill (possibly chunked) until every request is decoding
+    ids = start_decoding(engine, batch, context, vocab, params, "decode")
     times = []
     for _ in range(steps):
         sync(device)

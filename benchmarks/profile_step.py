@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import prompts  # noqa: E402
+from bench_engine import prompts, start_decoding  # noqa: E402
 from common import SHAPES, environment, release_memory, write_config, write_json  # noqa: E402
 
 from raypaged import LLM, SamplingParams  # noqa: E402
@@ -121,11 +121,7 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     from raypaged.core.request import Request
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
-    ids = [f"p-{batch}-{i}" for i in range(batch)]
-    for request_id, prompt in zip(ids, prompts(batch, context, vocab, seed=batch)):
-        engine.add_request(Request(request_id, prompt["prompt_token_ids"], params))
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
-        engine.step()
+    ids = start_decoding(engine, batch, context, vocab, params, "p")
     for _ in range(3):
         engine.step()
     engine_stamps = _install_engine_timers(engine)

@@ -5,13 +5,8 @@
 #   kernel; the prefill-kernel candidates (scripts/gpu_prefill_tune.sh).
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_diagnose.sh   (with .device/ carried, for Ray)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-source .device/setup.sh
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 || cat "$OUT_DIR/pip.log"
-quiet() { grep -v "Loading weights\|it/s\]\|compiled_dag_node\|authentication_token"; }
+source "$(dirname "$0")/gpu_setup.sh"
+use_ray
 timeout 60 python3 benchmarks/bench_ray_channel.py --gpu --out "$OUT_DIR" 2>&1 | quiet | tail -3
 timeout 150 python3 benchmarks/profile_step.py --shape 8b --batch-sizes 1,64 --context 1024 \
     --executors uni,ray --out "$OUT_DIR" 2>&1 | quiet | tail -16

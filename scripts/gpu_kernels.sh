@@ -5,14 +5,9 @@
 # with the real compiler (not the interpreter), 3. runs benchmarks/bench_kernels.py.
 # Logs, JSON and PNG go to $OUT (or benchmarks/results when $OUT is unset).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
+source "$(dirname "$0")/gpu_setup.sh"
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 \
-    || { cat "$OUT_DIR/pip.log"; exit 1; }
 
 # A test failure is reported but does not stop the timings.
 timeout 240 python3 -m pytest tests/test_kernels_triton.py -m gpu -q -p no:cacheprovider \

@@ -10,12 +10,7 @@
 # it measured. Writes throughput_8b_h200.json and .png to $OUT.
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_perf.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 \
-    || { cat "$OUT_DIR/pip.log"; exit 1; }
+source "$(dirname "$0")/gpu_setup.sh"
 python3 benchmarks/bench_throughput.py --shape 8b --num-requests 1000 --max-num-seqs 1024 \
     --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --stats-every 8 \
     --hf-requests 128 --hf-batch-size 128 --hf-max-time 60 --out "$OUT_DIR" "$@" 2>&1 \

@@ -5,12 +5,7 @@
 # max_model_len reservation; transformers is in throughput_8b_h200.json's earlier same-run figure).
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_piecewise.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 || cat "$OUT_DIR/pip.log"
-quiet() { grep -v "Loading weights\|it/s\]"; }
+source "$(dirname "$0")/gpu_setup.sh"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings tests/test_piecewise_graphs.py \
     tests/test_engine_generate.py tests/test_kernels_triton.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -6
 for flag in "" "--no-piecewise-cuda-graph"; do

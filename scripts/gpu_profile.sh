@@ -5,15 +5,11 @@
 # stays the model's 8,192, which is what the contiguous mode reserves per request).
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_profile.sh   (with .device/ carried, for Ray)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-source .device/setup.sh
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 || cat "$OUT_DIR/pip.log"
+source "$(dirname "$0")/gpu_setup.sh"
+use_ray
 timeout 200 python3 benchmarks/profile_step.py --shape 8b --batch-sizes 1,64 --context 1024 \
-    --executors uni,ray --out "$OUT_DIR" 2>&1 | grep -v "Loading weights\|it/s\]"
+    --executors uni,ray --out "$OUT_DIR" 2>&1 | quiet
 timeout 360 python3 benchmarks/bench_throughput.py --shape 8b --num-requests 1000 --max-total-len 2048 \
     --max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --stats-every 8 \
     --hf-requests 128 --hf-batch-size 128 --hf-max-time 60 --out "$OUT_DIR" 2>&1 \
-    | grep -v "Loading weights\|it/s\]"
+    | quiet

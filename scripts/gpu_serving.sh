@@ -15,23 +15,11 @@
 # Writes serving_8b_h200.json and .png to $OUT (the JSON after every rate).
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_serving.sh   (with .device/ carried)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py defaults it to 1 for CPU runs
-source .device/setup.sh  # raypaged launch runs the engine in a Ray actor
-# The frontend's health and reflection services: not on the GPU machine. Put their wheels in
-# .device/ first (on a CPU machine: pip download --no-deps -d .device
-# "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0": 1.84.0 to match its grpcio).
-if ! python3 -c "import grpc_health, grpc_reflection" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-        .device/grpcio_health_checking-*.whl .device/grpcio_reflection-*.whl
-fi
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 \
-    || { cat "$OUT_DIR/pip.log"; exit 1; }
+source "$(dirname "$0")/gpu_setup.sh"
+use_ray  # raypaged launch runs the engine in a Ray actor
 python3 benchmarks/bench_serving.py --shape 8b --rates 24,40,64,96 --num-requests 1000 \
     --warmup-rate-requests 200 --max-total-len 2048 --stop-ttft-s 10 --mode-budget-s 220 \
     --out "$OUT_DIR" "$@" \
     -- --max-model-len 8192 --max-num-seqs 512 --max-num-batched-tokens 8192 \
     --gpu-memory-utilization 0.85 2>&1 \
-    | grep --line-buffered -v "Loading weights\|it/s\]" | tee "$OUT_DIR/serving_bench.log"
+    | quiet | tee "$OUT_DIR/serving_bench.log"
