@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from raypaged.model.attention import AttentionMetadata  # noqa: E402
 from raypaged.model.config import ModelConfig  # noqa: E402
 from raypaged.model.loader import load_model  # noqa: E402
+from raypaged.worker.cuda_graph import capture_graph  # noqa: E402
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
@@ -177,15 +178,7 @@ def time_steps(args, device: torch.device) -> dict:
             eager = median_ms(step)
             graph_ms, graph_error = None, None
             try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(3):
-                        step()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
+                graph, _ = capture_graph(step)  # the engine's own capture (warm-up included)
                 graph_ms = median_ms(graph.replay)
             except Exception as e:  # reported, not hidden: the eager figure still stands
                 graph_error = f"{type(e).__name__}: {e}"[:300]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -31,6 +32,19 @@ def alive_actors() -> list[dict]:
 
 def live_placement_groups() -> list[dict]:
     return [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
+
+
+@contextmanager
+def cpu_server(model_dir: str, **engine_config: Any) -> Iterator["ServerThread"]:
+    """A test module's server: Ray up, the frontend serving model_dir on the CPU with these
+    engine settings; stopped and Ray down afterwards."""
+    init_ray()
+    running = ServerThread(EngineConfig(model=model_dir, device="cpu", **engine_config))
+    try:
+        yield running
+    finally:
+        running.stop()
+        ray.shutdown()
 
 
 class ServerThread:

@@ -8,11 +8,10 @@ import threading
 import grpc
 import pytest
 from checkpoints import checkpoint_dir
-from frontend_harness import ServerThread, init_ray
+from frontend_harness import cpu_server
 from hf_oracle import hf_greedy
 
 from raypaged.client import Client, RequestError
-from raypaged.config import EngineConfig
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.proto.v1 import raypaged_pb2_grpc
 
@@ -28,14 +27,9 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    import ray
-
-    init_ray()
-    running = ServerThread(EngineConfig(model=model_dir, device="cpu", num_gpu_blocks_override=64,
-                                        max_num_seqs=MAX_NUM_SEQS, max_waiting_requests=MAX_WAITING))
-    yield running
-    running.stop()
-    ray.shutdown()
+    with cpu_server(model_dir, num_gpu_blocks_override=64, max_num_seqs=MAX_NUM_SEQS,
+                    max_waiting_requests=MAX_WAITING) as running:
+        yield running
 
 
 @pytest.fixture

@@ -10,11 +10,10 @@ import random
 import grpc
 import pytest
 from checkpoints import checkpoint_dir
-from frontend_harness import ServerThread, init_ray
+from frontend_harness import cpu_server
 from hf_oracle import hf_greedy, random_prompts
 
 from raypaged.client import AsyncClient, Client, RequestError
-from raypaged.config import EngineConfig
 from raypaged.proto.v1 import SERVICE_NAME
 
 MAX_NUM_SEQS = 16
@@ -27,14 +26,8 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    import ray
-
-    init_ray()
-    running = ServerThread(EngineConfig(model=model_dir, device="cpu", num_gpu_blocks_override=96,
-                                        max_num_seqs=MAX_NUM_SEQS))
-    yield running
-    running.stop()
-    ray.shutdown()
+    with cpu_server(model_dir, num_gpu_blocks_override=96, max_num_seqs=MAX_NUM_SEQS) as running:
+        yield running
 
 
 @pytest.fixture

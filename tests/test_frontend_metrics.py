@@ -10,12 +10,11 @@ import urllib.request
 import grpc
 import pytest
 from checkpoints import checkpoint_dir
-from frontend_harness import ServerThread, init_ray
+from frontend_harness import cpu_server
 from hf_oracle import random_prompts
 from prometheus_client.parser import text_string_to_metric_families
 
 from raypaged.client import Client, RequestError
-from raypaged.config import EngineConfig
 from raypaged.frontend.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 BLOCK_SIZE = 16
@@ -46,14 +45,9 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def server():
-    import ray
-
-    init_ray()
-    running = ServerThread(EngineConfig(model=str(checkpoint_dir("llama")), device="cpu",
-                                        num_gpu_blocks_override=64, max_num_seqs=8))
-    yield running
-    running.stop()
-    ray.shutdown()
+    with cpu_server(str(checkpoint_dir("llama")), num_gpu_blocks_override=64,
+                    max_num_seqs=8) as running:
+        yield running
 
 
 def scrape(server) -> tuple[dict, dict]:

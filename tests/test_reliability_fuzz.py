@@ -23,12 +23,11 @@ from collections import Counter
 import grpc
 import pytest
 from checkpoints import checkpoint_dir
-from frontend_harness import ServerThread, init_ray
+from frontend_harness import ServerThread, cpu_server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from raypaged.client import Client
-from raypaged.config import EngineConfig
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.proto.v1 import raypaged_pb2_grpc
 
@@ -52,18 +51,12 @@ FUZZ_FULL = settings(FUZZ, derandomize=False, max_examples=1000)
 
 @pytest.fixture(scope="module")
 def server():
-    init_ray()
-    running = ServerThread(EngineConfig(model=str(checkpoint_dir(NAME)), device="cpu",
-                                        num_gpu_blocks_override=64, max_num_seqs=4))
-    assert running.engine.model_info["max_model_len"] == MAX_MODEL_LEN
-    assert running.engine.model_info["vocab_size"] == VOCAB
-    yield running
-    assert running.engine.is_alive
-    running.wait_pool_whole()
-    running.stop()
-    import ray
-
-    ray.shutdown()
+    with cpu_server(str(checkpoint_dir(NAME)), num_gpu_blocks_override=64, max_num_seqs=4) as running:
+        assert running.engine.model_info["max_model_len"] == MAX_MODEL_LEN
+        assert running.engine.model_info["vocab_size"] == VOCAB
+        yield running
+        assert running.engine.is_alive
+        running.wait_pool_whole()
     print(f"\nfuzz cases tried: {dict(CASES)}")
 
 
