@@ -19,6 +19,11 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                max_position_embeddings=8192, rope_theta=500000.0),
+    # The same model with Llama 3.1's longer context, capped at 32k: what the contiguous
+    # reservation mode reserves per request when a server offers a long-context model's window.
+    "8b-32k": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                   max_position_embeddings=32768, rope_theta=500000.0),
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
                  max_position_embeddings=2048, rope_theta=10000.0),
