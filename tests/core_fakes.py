@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from raypaged.core.kv_cache_manager import KVCacheManager, cdiv
 from raypaged.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from raypaged.core.request import FinishReason, Request, RequestStatus
+from raypaged.core.request import PLACEHOLDER_TOKEN_ID, FinishReason, Request, RequestStatus
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.core.scheduler import Scheduler
 
@@ -48,18 +48,41 @@ class _WorkerRequest:
 
 class ShadowWorker:
     """Applies each step's diff like worker/model_runner.py, checks it, and answers with tokens
-    drawn by `sample(req_id) -> int`."""
+    drawn by `sample(req_id, position) -> int` (position: where the token goes in the request's
+    tokens; n > 1 fans out by calling it again).
 
-    def __init__(self, num_blocks: int, block_size: int, sample: Callable[[str], int],
-                 rng: random.Random | None = None) -> None:
+    one_behind: as the runner under asynchronous scheduling, each call answers the previous
+    step (the first answers nothing), and a placeholder token the diff brings is replaced by the
+    token this worker sampled for that position in the previous step."""
+
+    def __init__(self, num_blocks: int, block_size: int, sample: Callable[[str, int], int],
+                 rng: random.Random | None = None, one_behind: bool = False) -> None:
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.requests: dict[str, _WorkerRequest] = {}
         self.sample = sample
         self.rng = rng or random.Random(0)
         self.num_copies = 0
+        self.one_behind = one_behind
+        self._previous = ModelRunnerOutput()
+        self._previous_tokens: dict[str, tuple[int, int]] = {}  # req id -> (position, token)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = self._execute(out)
+        if not self.one_behind:
+            return result
+        previous, self._previous = self._previous, result
+        return previous
+
+    def _fill_placeholders(self) -> None:
+        for req_id, (position, token) in self._previous_tokens.items():
+            state = self.requests.get(req_id)
+            if state is not None and position < len(state.token_ids) \
+                    and state.token_ids[position] == PLACEHOLDER_TOKEN_ID:
+                state.token_ids[position] = token
+        self._previous_tokens = {}
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         B = self.block_size
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             assert req_id in self.requests, f"told to drop {req_id!r}, which it does not hold"
@@ -82,7 +105,8 @@ class ShadowWorker:
             assert num_computed == state.num_computed, (req_id, num_computed, state.num_computed)
             end = num_computed + len(token_ids)
             known = state.token_ids[num_computed:end]  # tokens it already had there must agree
-            assert known == token_ids[: len(known)], f"{req_id!r}: diff rewrites known tokens"
+            assert all(a == b or PLACEHOLDER_TOKEN_ID in (a, b) for a, b in zip(known, token_ids)), \
+                f"{req_id!r}: diff rewrites known tokens"
             state.token_ids[num_computed:end] = token_ids
             state.block_ids.extend(block_ids)
         # Copy-on-write before the forward, as one gather then scatter.
@@ -92,6 +116,8 @@ class ShadowWorker:
         for (_, dst), data in zip(out.block_copies, snapshot):
             self.kv[dst] = data
         self.num_copies += len(out.block_copies)
+        if self.one_behind:
+            self._fill_placeholders()
 
         # Forward: every scheduled request writes its new positions, then reads all it attends to.
         order = list(out.num_scheduled_tokens.items())
@@ -99,6 +125,7 @@ class ShadowWorker:
             state = self.requests[req_id]
             c = state.num_computed
             assert n >= 1 and c + n <= len(state.token_ids), (req_id, c, n, len(state.token_ids))
+            assert PLACEHOLDER_TOKEN_ID not in state.token_ids[: c + n], f"{req_id!r}: unfilled placeholder"
             assert len(state.block_ids) * B >= c + n, f"{req_id!r}: no slot for its tokens"
             ids = prefix_ids(state.token_ids[: c + n])
             for pos in range(c, c + n):
@@ -115,7 +142,8 @@ class ShadowWorker:
             sampled: list[int] = []
             if c + n == len(state.token_ids):
                 fan_out = state.n if len(state.token_ids) == state.num_prompt_tokens else 1
-                sampled = [self.sample(req_id) for _ in range(fan_out)]
+                sampled = [self.sample(req_id, c + n) for _ in range(fan_out)]
+                self._previous_tokens[req_id] = (c + n, sampled[0])
             result.req_ids.append(req_id)
             result.sampled_token_ids.append(sampled)
             result.logprobs.append([{t: -1.0} for t in sampled] if sampled and state.logprobs else None)
@@ -204,6 +232,8 @@ def check_invariants(scheduler: Scheduler, worker: ShadowWorker | None = None) -
             r, state = live[rid], worker.requests[rid]
             assert r.status is RequestStatus.RUNNING
             assert state.block_ids == tables[rid], f"{rid!r}: worker table differs"
+            # Under asynchronous scheduling the scheduler may hold a placeholder the worker has
+            # not been sent yet, never one the worker holds unfilled.
             assert state.token_ids == r.all_token_ids[: len(state.token_ids)]
             assert state.num_computed == r.num_computed_tokens
 

@@ -13,12 +13,19 @@ read returns the reading request's own prefix (so prefix hits and copy-on-write 
 all requests end, the pool must be whole, and the records handed out must have carried every
 request's tokens and finish exactly (OutputLog).
 
+Every sequence also runs under asynchronous scheduling (each step answered one schedule() later,
+placeholders filled by the worker), with the same checks; and the same workload, with tokens
+drawn as a function of (request, position), must produce token-identical outputs and finishes
+with asynchronous scheduling on and off.
+
 Default runs are small; `scripts/test-slow` (pytest -m slow) runs thousands of sequences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -75,16 +82,40 @@ operations = st.lists(st.one_of(add_ops(), add_ops(), st.just(("step",)), st.jus
                       min_size=4, max_size=60)
 
 
+class Stepper:
+    """One engine step as EngineCore takes it: schedule, run, and take the answer to the step it
+    answers (under asynchronous scheduling the previous one, if it computed anything)."""
+
+    def __init__(self, scheduler: Scheduler, worker: ShadowWorker) -> None:
+        self.scheduler, self.worker = scheduler, worker
+        self.in_flight = None
+
+    def step(self):
+        scheduler = self.scheduler
+        out = scheduler.schedule()
+        answer = self.worker.execute(out)
+        if not scheduler.config.async_scheduling:
+            return scheduler.update_from_output(out, answer)
+        answered, self.in_flight = self.in_flight, (out if out.total_num_scheduled_tokens else None)
+        if answered is None:
+            return scheduler.take_pending_outputs()
+        return scheduler.update_from_output(answered, answer)
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+
+
 def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
     rng = random.Random(seed)
     scheduler = Scheduler(config)
-    worker = ShadowWorker(config.num_blocks, config.block_size, lambda _: rng.randrange(VOCAB), rng)
+    worker = ShadowWorker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
+                          one_behind=config.async_scheduling)
+    stepper = Stepper(scheduler, worker)
 
     log = OutputLog()
 
     def step():
-        out = scheduler.schedule()
-        log.add(scheduler.update_from_output(out, worker.execute(out)))
+        log.add(stepper.step())
         log.note(scheduler)
         check_invariants(scheduler, worker)
 
@@ -106,7 +137,7 @@ def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
             log.add(scheduler.abort_requests(ids[op[1] % len(ids)]))
             check_invariants(scheduler, worker)
     for _ in range(2000):
-        if not scheduler.has_unfinished_requests():
+        if not stepper.busy():
             break
         step()
     check_pool_whole(scheduler)
@@ -119,11 +150,61 @@ def test_scheduler_random_sequences(config, ops, seed):
     run_scheduler_sequence(config, ops, seed)
 
 
+@FAST
+@given(config=scheduler_configs(), ops=operations, seed=st.integers(0, 2**32 - 1))
+def test_scheduler_random_sequences_async(config, ops, seed):
+    run_scheduler_sequence(dataclasses.replace(config, async_scheduling=True), ops, seed)
+
+
 @pytest.mark.slow
 @SLOW
-@given(config=scheduler_configs(), ops=operations, seed=st.integers(0, 2**32 - 1))
-def test_scheduler_random_sequences_many(config, ops, seed):
-    run_scheduler_sequence(config, ops, seed)
+@given(config=scheduler_configs(), ops=operations, seed=st.integers(0, 2**32 - 1),
+       async_scheduling=st.booleans())
+def test_scheduler_random_sequences_many(config, ops, seed, async_scheduling):
+    run_scheduler_sequence(dataclasses.replace(config, async_scheduling=async_scheduling), ops, seed)
+
+
+def run_to_completion(config: SchedulerConfig, ops) -> dict[str, tuple]:
+    """Adds and steps (no aborts: their effect depends on timing), then steps until all end.
+    Returns each request's (output tokens, finish reason, stop reason)."""
+    def sample(req_id: str, position: int) -> int:  # the same token wherever it is computed
+        return zlib.crc32(f"{req_id}@{position}".encode()) % VOCAB
+
+    scheduler = Scheduler(config)
+    stepper = Stepper(scheduler, ShadowWorker(config.num_blocks, config.block_size, sample,
+                                              one_behind=config.async_scheduling))
+    log = OutputLog()
+    for k, op in enumerate(ops):
+        if op[0] == "add":
+            _, prompt, params, salt, priority = op
+            params = dict(params, n=1)  # n > 1 samples draw the same tokens per position here
+            try:
+                scheduler.add_request(make_request(f"r{k}", prompt, eos=EOS, salt=salt,
+                                                   priority=priority, arrival=float(k), **params))
+            except InvalidRequestError:
+                pass
+            log.note(scheduler)
+        elif op[0] == "step":
+            log.add(stepper.step())
+            log.note(scheduler)
+    for _ in range(2000):
+        if not stepper.busy():
+            break
+        log.add(stepper.step())
+        log.note(scheduler)
+    check_pool_whole(scheduler)
+    log.check_all_finished(scheduler)
+    return {rid: (tuple(log.tokens[rid]), out.finish_reason, out.stop_reason)
+            for rid, out in log.finished.items()}
+
+
+@FAST
+@given(config=scheduler_configs(), ops=operations)
+def test_async_scheduling_gives_the_same_outputs(config, ops):
+    """Where a request is scheduled may change (it sits out a step, is preempted at another
+    time), what it generates must not: every token is a function of its request and position."""
+    sync = run_to_completion(config, ops)
+    assert sync == run_to_completion(dataclasses.replace(config, async_scheduling=True), ops)
 
 
 # ---- the block pool against a plain model -----------------------------------------------------------

@@ -30,7 +30,7 @@ class Harness:
         self.script: dict[str, list[int]] = defaultdict(list)
         self.worker = ShadowWorker(config["num_blocks"], config["block_size"], self._sample)
 
-    def _sample(self, req_id: str) -> int:
+    def _sample(self, req_id: str, position: int = 0) -> int:
         return self.script[req_id].pop(0) if self.script[req_id] else 7
 
     def add(self, request_id, prompt, **params):

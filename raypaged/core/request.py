@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from raypaged.core.sampling_params import SamplingParams
 
 
+# Asynchronous scheduling: the scheduler plans step N+1 before step N's sampled tokens are back.
+# A request that step N samples for gets this id appended in their place; step N+1 sends it as
+# the request's next input, and the worker substitutes the token it sampled (kept on the device).
+PLACEHOLDER_TOKEN_ID = -1
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id (or a stop string, decided by the frontend)
     LENGTH = "length"  # max_tokens or max_model_len reached
@@ -71,8 +77,12 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """The generated tokens (a copy: append through append_output_token)."""
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        """The generated tokens (a copy: append through append_output_token), without the
+        placeholder of a token still being sampled."""
+        outputs = self.all_token_ids[len(self.prompt_token_ids):]
+        while outputs and outputs[-1] == PLACEHOLDER_TOKEN_ID:
+            outputs.pop()
+        return outputs
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,14 @@ apply (see outputs.py). update_from_output() (scheduler_update.py) takes the sam
 checks stop conditions, forks n > 1 requests once their prompt is done, and frees finished
 requests' blocks at once.
 
+Asynchronous scheduling (SchedulerConfig.async_scheduling): the engine plans step N+1 while the
+workers run step N, and hands step N's tokens to update_from_output after that. So schedule()
+counts its tokens as computed at once, and each request the step will sample for gets a
+PLACEHOLDER_TOKEN_ID as its next token, which step N+1 may already schedule (the workers put the
+sampled token in its place). A request whose next token may end it for length, or that forks
+(n > 1) on it, gets no placeholder: it sits out step N+1. A stop token ends a request one step
+late: the token step N+1 computed for it is dropped.
+
 Who the workers hold: every request that went out as NewRequestData and has not been dropped since
 (finished_req_ids / preempted_req_ids). A running request the workers do not hold (a sample just
 forked, or one whose block table copy-on-write changed) goes out whole as NewRequestData, a held
@@ -18,6 +26,7 @@ one as a CachedRequestData entry.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
@@ -26,7 +35,7 @@ from raypaged.core.errors import UnknownRequestError
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, NewRequestData, SchedulerOutput
-from raypaged.core.request import FinishReason, Request, RequestStatus
+from raypaged.core.request import PLACEHOLDER_TOKEN_ID, FinishReason, Request, RequestStatus
 from raypaged.core.request_queue import make_request_queue
 from raypaged.core.scheduler_config import SchedulerConfig
 from raypaged.core.scheduler_update import SchedulerUpdate
@@ -80,6 +89,11 @@ class Scheduler(SchedulerUpdate):
         self._last_output: SchedulerOutput | None = None  # and the requests it scheduled, in order:
         self._scheduled: list[Request] = []
         self.num_preemptions = 0
+        # Asynchronous scheduling: the steps scheduled and not yet answered, oldest first, with
+        # the requests each scheduled and where each one's tokens end. A request preempted while
+        # a step holding it is in flight is held back from waiting until that step is answered.
+        self._in_flight: deque[tuple[SchedulerOutput, list[Request], list[int]]] = deque()
+        self._held_back: set[str] = set()
 
     # ---- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -142,6 +156,8 @@ class Scheduler(SchedulerUpdate):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        if self._held_back and not self._in_flight:
+            self._held_back.clear()
         # The scheduled requests in num_scheduled_tokens' order: update_from_output walks them.
         self._scheduled = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -149,7 +165,24 @@ class Scheduler(SchedulerUpdate):
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.kv_cache_manager.take_block_copies()
         self._last_output = out
+        if self.config.async_scheduling:
+            self._advance(out)
         return out
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        """Asynchronous scheduling: take the step's tokens as computed now, and give each request
+        it samples for a placeholder next token (see the module docstring)."""
+        ends = []
+        for request, num_new in zip(self._scheduled, out.num_scheduled_tokens.values()):
+            end = request.num_computed_tokens + num_new
+            request.num_computed_tokens = end
+            ends.append(end)
+            tokens = request.all_token_ids
+            if (end == len(tokens) and end + 1 < request.max_num_tokens
+                    and (end > request.num_prompt_tokens or request.sampling_params.n == 1)):
+                tokens.append(PLACEHOLDER_TOKEN_ID)
+        if out.total_num_scheduled_tokens:
+            self._in_flight.append((out, self._scheduled, ends))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first, in order (the oldest keep their place under memory pressure):
@@ -176,7 +209,7 @@ class Scheduler(SchedulerUpdate):
                 computed = request.num_computed_tokens
                 tokens = request.all_token_ids
                 num_new = len(tokens) - computed
-                if num_new > budget:
+                if not 0 < num_new <= budget:  # 0: it waits for its token (async scheduling)
                     break
                 request_id = request.request_id
                 slots = num_slots[request_id]
@@ -219,6 +252,8 @@ class Scheduler(SchedulerUpdate):
         computed = request.num_computed_tokens
         tokens = request.all_token_ids
         num_new = len(tokens) - computed
+        if num_new == 0:  # its step in flight samples its next token: it sits this one out
+            return i + 1, budget
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 return i + 1, budget
@@ -226,6 +261,8 @@ class Scheduler(SchedulerUpdate):
         new_blocks = kv.allocate_slots(request, num_new)
         while new_blocks is None:  # out of blocks: preempt until it fits or it is the victim
             if not kv.can_fit(len(tokens)):
+                if tokens[-1] == PLACEHOLDER_TOKEN_ID:
+                    return i + 1, budget  # it ends once the token in flight is here, not before
                 running.pop(i)
                 self._finish_unfittable(request, out)
                 return i, budget  # running[i] is already the next request
@@ -266,8 +303,11 @@ class Scheduler(SchedulerUpdate):
         Returns the budget left."""
         config, kv = self.config, self.kv_cache_manager
         waiting, running = self.waiting, self.running
+        held_back = self._held_back
         while len(waiting) and budget > 0:
             request = waiting.peek()
+            if held_back and request.request_id in held_back:
+                break  # preempted while its step is in flight: it waits for that step's answer
             if len(running) >= config.max_num_seqs:
                 if self._priority and self._outranks_a_running_request(request):
                     budget += self._preempt(self._pick_victim(), out)
@@ -345,6 +385,13 @@ class Scheduler(SchedulerUpdate):
         del self._num_slots[request_id]
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if self.config.async_scheduling:
+            # Its tokens still to come (two once the next step was scheduled too, as when the
+            # workers fail) are sampled again when it recomputes.
+            tokens = request.all_token_ids
+            while tokens and tokens[-1] == PLACEHOLDER_TOKEN_ID:
+                tokens.pop()
+            self._held_back.add(request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -365,6 +412,8 @@ class Scheduler(SchedulerUpdate):
         self._on_workers.clear()
         self._rewritten.clear()
         self._finished_req_ids.clear()
+        self._in_flight.clear()  # their answers died with the workers
+        self._held_back.clear()
         self.kv_cache_manager.reset_prefix_cache()
 
     def _unschedule(self, request_id: str, out: SchedulerOutput) -> None:

@@ -21,6 +21,9 @@ class SchedulerConfig:
     # priority, and a waiting request may preempt running ones of strictly lower priority.
     policy: str = "fcfs"
     max_waiting_requests: int | None = None  # None: unbounded waiting queue
+    # Plan step N+1 while step N runs (see Scheduler.schedule): the caller then answers each
+    # step one schedule() later, and the workers fill in the tokens they sampled.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")

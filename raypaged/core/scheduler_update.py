@@ -12,6 +12,7 @@ derives from it) sets up the attributes annotated below.
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import repeat
 from types import SimpleNamespace
 from typing import Callable
@@ -19,7 +20,7 @@ from typing import Callable
 from raypaged.core.errors import NoFreeBlocksError
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, Logprobs, ModelRunnerOutput, SchedulerOutput
-from raypaged.core.request import FinishReason, Request, RequestStatus
+from raypaged.core.request import PLACEHOLDER_TOKEN_ID, FinishReason, Request, RequestStatus
 from raypaged.core.request_queue import RequestQueue
 from raypaged.core.scheduler_config import SchedulerConfig
 from raypaged.core.stop_checks import check_stop, prepare_stop_checks
@@ -46,11 +47,16 @@ class SchedulerUpdate:
     _last_output: SchedulerOutput | None
     _scheduled: list[Request]
     _cache_blocks: Callable[[Request, int], None] | None
+    _in_flight: deque[tuple[SchedulerOutput, list[Request], list[int]]]
+    _held_back: set[str]
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Take one step's sampled tokens. Returns a record for each request that got a token or
-        finished (after any that finished inside schedule())."""
+        finished (after any that finished inside schedule()). With asynchronous scheduling, the
+        answer to the oldest step in flight."""
+        if self.config.async_scheduling:
+            return self._update_async(scheduler_output, model_runner_output)
         outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
         num_scheduled = scheduler_output.num_scheduled_tokens
         req_ids = model_runner_output.req_ids
@@ -104,10 +110,66 @@ class SchedulerUpdate:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
+    def take_pending_outputs(self) -> EngineCoreOutputs:
+        """Records made inside schedule() (requests that outgrew the cache) when no step's
+        answer will carry them: asynchronous scheduling with nothing in flight."""
+        outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
+        return outputs
+
+    def _update_async(self, scheduler_output: SchedulerOutput,
+                      model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """update_from_output under asynchronous scheduling: schedule() already counted the
+        step's tokens as computed (`ends`: where each request's tokens ended) and put a
+        placeholder where a sampled token goes; this puts the token there (or appends it, where
+        no placeholder was made) and checks stops on the tokens that are real."""
+        outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
+        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+            raise ValueError("update_from_output must answer the oldest step in flight")
+        _, scheduled, ends = self._in_flight.popleft()
+        self._held_back.clear()  # what schedule() preempted meanwhile has had its answer now
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        sampled_token_ids, logprobs = _in_scheduled_order(num_scheduled, model_runner_output)
+        cache_blocks = self._cache_blocks
+        block_size = self.config.block_size
+        max_model_len = self.config.max_model_len
+        ids_append, tokens_append = outputs.req_ids.append, outputs.new_token_ids.append
+        finished = False
+        for request, num_new, end, sampled, new_logprobs in zip(
+                scheduled, num_scheduled.values(), ends, sampled_token_ids, logprobs or repeat(None)):
+            if request.status is not _RUNNING:
+                continue  # finished, aborted or preempted while the step ran
+            if end % block_size < num_new and cache_blocks is not None:
+                cache_blocks(request, end)  # the step filled a block: into the prefix cache
+            if not sampled:
+                continue  # a prefill chunk short of the prompt's end
+            tokens = request.all_token_ids
+            if end < len(tokens) and tokens[end] != PLACEHOLDER_TOKEN_ID:
+                raise ValueError(f"request {request.request_id!r} sampled a token mid-prompt")
+            if request.whole_records or len(sampled) != 1:
+                finished |= self._take_sampled(request, sampled, new_logprobs, outputs, end)
+                continue
+            token = sampled[0]
+            if end < len(tokens):
+                tokens[end] = token
+            else:
+                tokens.append(token)
+            if token in request.stop_token_set or end + 1 >= request.max_num_tokens:
+                reason, stop_reason = check_stop(request, token, max_model_len, end + 1)
+                if reason is not None:
+                    self._finish(request, reason, stop_reason, self._finished_req_ids)
+                    finished = True
+                    outputs.append(self._output(request, sampled, None))
+                    continue
+            ids_append(request.request_id)
+            tokens_append(sampled)
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
     def _take_sampled(self, request: Request, sampled: list[int], logprobs: list[Logprobs] | None,
-                      outputs: EngineCoreOutputs) -> bool:
+                      outputs: EngineCoreOutputs, position: int | None = None) -> bool:
         """update_from_output for a request whose record is kept whole. Returns whether it
-        finished."""
+        finished. `position`: where the token goes (asynchronous scheduling; default: appended)."""
         params = request.sampling_params
         if params.n > 1 and not request.num_output_tokens:
             self._fork(request, sampled, logprobs, outputs)
@@ -117,9 +179,14 @@ class SchedulerUpdate:
             raise ValueError(f"request {request.request_id!r}: expected one sampled token, "
                              f"got {len(sampled)}")
         token = sampled[0]
-        request.all_token_ids.append(token)
+        tokens = request.all_token_ids
+        if position is None or position == len(tokens):
+            tokens.append(token)
+        else:
+            tokens[position] = token
         request.whole_records = request.sample_index != 0 or params.logprobs is not None
-        reason, stop_reason = check_stop(request, token, self.config.max_model_len)
+        reason, stop_reason = check_stop(request, token, self.config.max_model_len,
+                                         None if position is None else position + 1)
         if reason is not None:
             self._finish(request, reason, stop_reason, self._finished_req_ids)
         outputs.append(self._output(request, [token], logprobs))
@@ -130,6 +197,9 @@ class SchedulerUpdate:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+        tokens = request.all_token_ids
+        while tokens and tokens[-1] == PLACEHOLDER_TOKEN_ID:  # its next tokens, never to come
+            tokens.pop()
         self.kv_cache_manager.free(request)
         request_id = request.request_id
         del self.requests[request_id]
@@ -193,3 +263,19 @@ class SchedulerUpdate:
             self._num_slots[parent.request_id] = -1  # its last block may now be shared
             at = self.running.index(parent)
             self.running[at:at] = forked
+
+
+def _in_scheduled_order(num_scheduled: dict[str, int], output: ModelRunnerOutput
+                        ) -> tuple[list[list[int]], list[list[Logprobs] | None]]:
+    """The runner's sampled tokens and logprobs in the step's scheduled order (a runner may
+    answer in its own order: decodes first)."""
+    req_ids, sampled, logprobs = output.req_ids, output.sampled_token_ids, output.logprobs
+    if len(sampled) != len(req_ids) or (logprobs and len(logprobs) != len(req_ids)):
+        raise ValueError("the model runner's output lists differ in length")
+    if req_ids == list(num_scheduled):
+        return sampled, logprobs
+    if len(req_ids) != len(num_scheduled) or num_scheduled.keys() != set(req_ids):
+        raise ValueError("the model runner's output does not answer the scheduled requests")
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
+    order = [index[req_id] for req_id in num_scheduled]
+    return [sampled[i] for i in order], [logprobs[i] for i in order] if logprobs else logprobs
