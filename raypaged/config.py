@@ -42,6 +42,10 @@ class EngineConfig:
     piecewise_cuda_graph_max_tokens: int = 2048
     attention_backend: str | None = None  # torch | triton; None: triton on CUDA, torch on CPU
     scheduling_policy: str = "fcfs"
+    # Schedule step N+1 while the GPU runs step N (the workers answer each step one call late):
+    # the host's part of a step (scheduling, inputs, Ray's dispatch and return) hides behind the
+    # GPU's. A request that stops computes one token more, which is dropped.
+    async_scheduling: bool = False
     # paged: blocks on demand (PagedAttention). contiguous: every request reserves max_model_len
     # slots up front, the allocator PagedAttention replaces; kept as the benchmark baseline.
     kv_cache_mode: str = "paged"
@@ -110,6 +114,8 @@ class EngineConfig:
         group.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048,
                            help="steps with more tokens than this run eagerly")
         group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                           help="schedule each step while the previous one runs on the GPU")
         group.add_argument("--kv-cache-mode", default="paged", choices=list(KV_CACHE_MODES),
                            help="paged (default), or contiguous: each request reserves "
                                 "max_model_len slots up front (the baseline for benchmarks)")

@@ -1,5 +1,6 @@
 """End to end through the real loader, scheduler, paged KV cache and sampler: greedy output is
-token-identical to transformers' generate (fp32, CPU) for every feature combination."""
+token-identical to transformers' generate (fp32, CPU) for every feature combination, with
+asynchronous scheduling off and on (every test runs both ways)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from raypaged import LLM, SamplingParams
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def async_scheduling(request) -> bool:
+    return request.param
 
 
 def vocab_of(name: str) -> int:
@@ -39,25 +45,26 @@ def assert_matches_hf(name: str, prompts: list[list[int]], results, max_tokens: 
 
 @pytest.mark.parametrize("name", ["llama", "llama3-rope", "llama-tied", "llama-sharded",
                                   "llama-linear-rope", "mistral", "qwen2"])
-def test_greedy_matches_transformers_for_each_architecture(name):
+def test_greedy_matches_transformers_for_each_architecture(name, async_scheduling):
     prompts = random_prompts([1, 7, 17, 40], vocab_of(name), seed=1)
-    _, results = run(name, prompts)
+    _, results = run(name, prompts, async_scheduling=async_scheduling)
     assert_matches_hf(name, prompts, results)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_block_sizes(block_size):
+def test_block_sizes(block_size, async_scheduling):
     prompts = random_prompts([3, 16, 33, 50], vocab_of("llama"), seed=2)
-    _, results = run("llama", prompts, block_size=block_size)
+    _, results = run("llama", prompts, block_size=block_size, async_scheduling=async_scheduling)
     assert_matches_hf("llama", prompts, results)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_shared_prefixes_with_and_without_prefix_caching(prefix_caching):
+def test_shared_prefixes_with_and_without_prefix_caching(prefix_caching, async_scheduling):
     vocab = vocab_of("qwen2")
     prefix = random_prompts([37], vocab, seed=3)[0]
     prompts = random_prompts([1, 5, 20], vocab, seed=4, prefix=prefix)
-    llm = LLM(str(checkpoint_dir("qwen2")), block_size=8, enable_prefix_caching=prefix_caching)
+    llm = LLM(str(checkpoint_dir("qwen2")), block_size=8, enable_prefix_caching=prefix_caching,
+              async_scheduling=async_scheduling)
     try:
         first = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)
         rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
@@ -69,46 +76,49 @@ def test_shared_prefixes_with_and_without_prefix_caching(prefix_caching):
     assert [r.num_cached_tokens for r in rest] == [expected_hits, expected_hits]
 
 
-def test_chunked_prefill_with_a_small_token_budget():
+def test_chunked_prefill_with_a_small_token_budget(async_scheduling):
     prompts = random_prompts([45, 3, 30], vocab_of("llama"), seed=5)
-    _, results = run("llama", prompts, max_num_batched_tokens=16, block_size=8)
+    _, results = run("llama", prompts, max_num_batched_tokens=16, block_size=8,
+                     async_scheduling=async_scheduling)
     assert_matches_hf("llama", prompts, results)
 
 
-def test_forced_preemption_on_a_tiny_pool():
+def test_forced_preemption_on_a_tiny_pool(async_scheduling):
     prompts = random_prompts([20, 25, 30, 12], vocab_of("llama"), seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     # 14 blocks of 8 tokens hold ~2 of these requests at full length: the rest are preempted
     # and recomputed, and must still produce the same tokens.
-    llm, results = run("llama", prompts, params, block_size=8, num_gpu_blocks_override=14)
+    llm, results = run("llama", prompts, params, block_size=8, num_gpu_blocks_override=14,
+                       async_scheduling=async_scheduling)
     assert llm.engine.scheduler.stats().num_preemptions > 0
     assert_matches_hf("llama", prompts, results, max_tokens=24)
 
 
-def test_parallel_sampling_each_sample_equals_the_single_greedy_result():
+def test_parallel_sampling_each_sample_equals_the_single_greedy_result(async_scheduling):
     prompts = random_prompts([13, 24], vocab_of("llama"), seed=7)  # partial last blocks: CoW
     params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    _, results = run("llama", prompts, params, block_size=8)
+    _, results = run("llama", prompts, params, block_size=8, async_scheduling=async_scheduling)
     for result in results:
         assert [o.index for o in result.outputs] == [0, 1, 2]
     assert_matches_hf("llama", prompts, results)
 
 
-def test_triton_kernels_end_to_end_under_the_interpreter():
+def test_triton_kernels_end_to_end_under_the_interpreter(async_scheduling):
     prompts = random_prompts([5, 19], vocab_of("llama"), seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    _, results = run("llama", prompts, params, block_size=8, attention_backend="triton")
+    _, results = run("llama", prompts, params, block_size=8, attention_backend="triton",
+                     async_scheduling=async_scheduling)
     assert_matches_hf("llama", prompts, results, max_tokens=4)
 
 
-def test_stops_on_eos_and_stop_token_ids():
+def test_stops_on_eos_and_stop_token_ids(async_scheduling):
     name = "llama"
     prompt = random_prompts([9], vocab_of(name), seed=9)[0]
     expected = hf_greedy(checkpoint_dir(name), tuple(prompt), MAX_TOKENS)
     stop_id = expected[4]
     first = expected.index(stop_id)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_id])
-    llm = LLM(str(checkpoint_dir(name)))
+    llm = LLM(str(checkpoint_dir(name)), async_scheduling=async_scheduling)
     try:
         [result] = llm.generate({"prompt_token_ids": prompt}, params)
         assert result.outputs[0].token_ids == expected[: first + 1]
@@ -130,9 +140,9 @@ def test_stops_on_eos_and_stop_token_ids():
         llm.shutdown()
 
 
-def test_seeded_sampling_is_reproducible_and_seeds_differ():
+def test_seeded_sampling_is_reproducible_and_seeds_differ(async_scheduling):
     prompts = random_prompts([6, 11], vocab_of("llama"), seed=10)
-    llm = LLM(str(checkpoint_dir("llama")))
+    llm = LLM(str(checkpoint_dir("llama")), async_scheduling=async_scheduling)
     try:
         def sample(seed, batch):
             params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed, ignore_eos=True)
@@ -146,8 +156,8 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
         llm.shutdown()
 
 
-def test_text_prompts_stop_strings_and_logprobs():
-    llm = LLM(str(checkpoint_dir("llama")))
+def test_text_prompts_stop_strings_and_logprobs(async_scheduling):
+    llm = LLM(str(checkpoint_dir("llama")), async_scheduling=async_scheduling)
     try:
         [plain] = llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=12,
                                                                      ignore_eos=True, logprobs=2))
@@ -168,10 +178,11 @@ def test_text_prompts_stop_strings_and_logprobs():
         llm.shutdown()
 
 
-def test_generate_cli_prints_json():
+def test_generate_cli_prints_json(async_scheduling):
     out = subprocess.run(
         [sys.executable, "-m", "raypaged.cli", "generate", "--model", str(checkpoint_dir("llama")),
-         "--prompt", "The quick", "--max-tokens", "5", "--ignore-eos", "--json"],
+         "--prompt", "The quick", "--max-tokens", "5", "--ignore-eos", "--json",
+         "--async-scheduling" if async_scheduling else "--no-async-scheduling"],
         check=True, capture_output=True, text=True, timeout=300).stdout
     result = json.loads(out.strip().splitlines()[-1])
     [sample] = result["outputs"]
@@ -181,12 +192,12 @@ def test_generate_cli_prints_json():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_on_cuda_with_and_without_cuda_graphs(enforce_eager):
+def test_on_cuda_with_and_without_cuda_graphs(enforce_eager, async_scheduling):
     """Triton kernels on the GPU, decode through captured CUDA graphs (padded batch sizes):
     still token-identical to transformers in fp32."""
     prompts = random_prompts([1, 7, 17, 40, 3], vocab_of("llama"), seed=16)
     llm = LLM(str(checkpoint_dir("llama")), device="cuda", dtype="float32", block_size=16,
-              max_num_seqs=8, enforce_eager=enforce_eager)
+              max_num_seqs=8, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     try:
         assert (llm.engine.executor.worker.runner.decode_graphs is None) == enforce_eager
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -195,12 +206,12 @@ def test_on_cuda_with_and_without_cuda_graphs(enforce_eager):
     assert_matches_hf("llama", prompts, results)
 
 
-def test_repetition_penalty_matches_transformers():
+def test_repetition_penalty_matches_transformers(async_scheduling):
     """The runner hands the sampler token histories only for rows with penalties: a penalized
     greedy request beside a plain one still equals transformers' RepetitionPenaltyLogitsProcessor
     (over prompt + output), and the plain one is untouched."""
     prompts = random_prompts([6, 12], vocab_of("llama"), seed=17)
-    llm = LLM(str(checkpoint_dir("llama")))
+    llm = LLM(str(checkpoint_dir("llama")), async_scheduling=async_scheduling)
     try:
         penalized, plain = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],

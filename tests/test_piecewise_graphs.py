@@ -238,13 +238,14 @@ def staggered_generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_on_cuda_piecewise_graphs_match_transformers_and_the_eager_path(name):
+def test_on_cuda_piecewise_graphs_match_transformers_and_the_eager_path(name, async_scheduling):
     vocab = our_model(name)[1].vocab_size
     prompts = random_prompts([40, 7, 1, 70, 17, 33], vocab, seed=21)
     arrivals = [0, 0, 2, 3, 5, 9]
     kwargs = dict(device="cuda", dtype="float32", block_size=16, max_num_seqs=8,
-                  max_num_batched_tokens=48)
+                  max_num_batched_tokens=48, async_scheduling=async_scheduling)
     results = {}
     for piecewise in (True, False):
         llm = LLM(str(checkpoint_dir(name)), piecewise_cuda_graph=piecewise, **kwargs)

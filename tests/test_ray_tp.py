@@ -56,13 +56,17 @@ def test_tp_greedy_equals_tp1_and_transformers(name, tp):
     assert_matches_hf(name, prompts, tpn, max_tokens=8)
 
 
-def test_prefix_caching_chunked_prefill_and_preemption_under_tp2():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prefix_caching_chunked_prefill_and_preemption_under_tp2(async_scheduling):
+    """Asynchronous scheduling under TP: rank 0 broadcasts its sampled tokens, which the other
+    rank's placeholder inputs need; a wrong one there would change every later token."""
     vocab = vocab_of("llama")
     prefix = random_prompts([24], vocab, seed=12)[0]
     prompts = random_prompts([9, 20, 14, 3], vocab, seed=13, prefix=prefix)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8,
-              max_num_batched_tokens=16, num_gpu_blocks_override=16)
+              max_num_batched_tokens=16, num_gpu_blocks_override=16,
+              async_scheduling=async_scheduling)
     try:
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         stats = llm.engine.scheduler.stats()
@@ -73,10 +77,12 @@ def test_prefix_caching_chunked_prefill_and_preemption_under_tp2():
     assert_matches_hf("llama", prompts, results, max_tokens=20)
 
 
-def test_abort_frees_blocks_and_shutdown_leaves_nothing_behind():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_frees_blocks_and_shutdown_leaves_nothing_behind(async_scheduling):
     from raypaged.core.request import Request
 
-    llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8)
+    llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     for i, prompt in enumerate(random_prompts([30, 12], vocab_of("llama"), seed=14)):
@@ -94,12 +100,15 @@ def test_abort_frees_blocks_and_shutdown_leaves_nothing_behind():
     assert live_placement_groups() == []
 
 
-def test_killed_worker_is_detected_and_in_flight_requests_recover():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_killed_worker_is_detected_and_in_flight_requests_recover(async_scheduling):
     """A rank killed mid-generation: the engine notices within a step, restarts the group and
-    recomputes every in-flight request; the outputs equal a fault-free run."""
+    recomputes every in-flight request; the outputs equal a fault-free run (asynchronous
+    scheduling: the step in flight is dropped with the group and recomputed too)."""
     name = "llama"
     prompts = random_prompts([6, 21, 13], vocab_of(name), seed=15)
-    llm = LLM(str(checkpoint_dir(name)), tensor_parallel_size=2, block_size=8)
+    llm = LLM(str(checkpoint_dir(name)), tensor_parallel_size=2, block_size=8,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     try:
         from raypaged.core.request import Request

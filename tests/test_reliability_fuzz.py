@@ -8,7 +8,9 @@
   garbage on a raw TCP connection (not even HTTP/2).
 - Oversized messages (RESOURCE_EXHAUSTED) and a million prompt ids (refused at once).
 
-Throughout: the server stays SERVING; at the end the engine is alive and the pool whole.
+Throughout: the server stays SERVING; at the end the engine is alive and the pool whole. The
+engine runs with asynchronous scheduling here (cancels and aborts land while a step is in flight;
+the other frontend modules run it synchronously).
 CI runs a few hundred cases; `-m slow` runs 1,000 generated requests and 1,000 byte strings.
 """
 
@@ -51,7 +53,8 @@ FUZZ_FULL = settings(FUZZ, derandomize=False, max_examples=1000)
 
 @pytest.fixture(scope="module")
 def server():
-    with cpu_server(str(checkpoint_dir(NAME)), num_gpu_blocks_override=64, max_num_seqs=4) as running:
+    with cpu_server(str(checkpoint_dir(NAME)), num_gpu_blocks_override=64, max_num_seqs=4,
+                    async_scheduling=True) as running:
         assert running.engine.model_info["max_model_len"] == MAX_MODEL_LEN
         assert running.engine.model_info["vocab_size"] == VOCAB
         yield running

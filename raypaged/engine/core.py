@@ -17,7 +17,7 @@ import time
 from raypaged.config import EngineConfig
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, UnknownRequestError
-from raypaged.core.outputs import EngineCoreOutputs
+from raypaged.core.outputs import EngineCoreOutputs, SchedulerOutput
 from raypaged.core.request import Request
 from raypaged.core.scheduler import Scheduler
 from raypaged.core.scheduler_config import SchedulerConfig
@@ -87,8 +87,11 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             max_waiting_requests=config.max_waiting_requests,
+            async_scheduling=config.async_scheduling,
         ), kv_cache_manager=self._contiguous_manager() if config.kv_cache_mode == "contiguous" else None)
         self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
+        # Asynchronous scheduling: the step the workers run now, answered by the next execute.
+        self._in_flight: SchedulerOutput | None = None
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
         self._queued_since: dict[str, float] = {}
@@ -137,26 +140,37 @@ class EngineCore:
                     self._pending_outputs.append(out)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+                or self._in_flight is not None)
 
     def step(self) -> EngineCoreOutputs:
+        """Schedule, execute, update. With asynchronous scheduling the update is the previous
+        step's: the workers answer each step on the next call, having started this one."""
         with self._lock:
             outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
-            if not self.scheduler.has_unfinished_requests():
+            if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
                 if self._queued_since:
                     self._attach_queue_times(outputs)
                 return outputs
             scheduler_output = self.scheduler.schedule()
             if self._queued_since:
                 self._note_first_scheduled(scheduler_output.scheduled_new_reqs)
+        answered = scheduler_output
+        if self.config.async_scheduling:
+            answered, self._in_flight = self._in_flight, (
+                scheduler_output if scheduler_output.total_num_scheduled_tokens else None)
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except WorkerGroupError as e:
+            self._in_flight = None
             outputs.extend(self._recover(f"the model workers failed: {e}"))
         else:
             self._consecutive_failures = 0
             with self._lock:
-                update = self.scheduler.update_from_output(scheduler_output, model_output)
+                if answered is None:  # the first step in flight: nothing answered yet
+                    update = self.scheduler.take_pending_outputs()
+                else:
+                    update = self.scheduler.update_from_output(answered, model_output)
             if outputs:
                 outputs.extend(update)
             else:

@@ -89,6 +89,15 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's `x` on every rank (in place; unchanged at tp = 1)."""
+    if _state.world_size == 1:
+        return x
+    group = _group_for_collective()
+    dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, in rank order."""
     if _state.world_size == 1:

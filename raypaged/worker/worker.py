@@ -146,7 +146,8 @@ class Worker:
                      for _ in range(mc.num_hidden_layers)]
         self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, max_model_len,
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
-                                  seed=self.config.seed)
+                                  seed=self.config.seed,
+                                  async_output=self.config.async_scheduling)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_cuda_graphs(self.config.max_num_seqs, max_model_len,
                                             self._piecewise_max_tokens())
