@@ -9,6 +9,10 @@ real engine (scheduler, paged KV cache, Triton kernels on CUDA). It reports
     of reading the weights and the KV once at the copy bandwidth measured in the same run;
   - output tokens/s for --throughput-batch requests of --prompt-len tokens generating
     --output-len tokens each, and (with --hf) transformers `generate` on the same requests.
+Each of --executors (in process, or the worker in a Ray actor) runs with each of --scheduling
+(sync: one step at a time; async: step N+1 scheduled while step N runs). A decode step's time is
+the median time between engine steps in steady state: with async scheduling a step call returns
+the previous step's tokens, so that interval is the pipeline's period.
 Writes benchmarks/results/engine_<shape>_<device>.json.
 """
 
@@ -73,10 +77,13 @@ def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     ids = start_decoding(engine, batch, context, vocab, params, "decode")
     times = []
+    engine.step()  # under async scheduling the first decode step fills the pipeline
+    sync(device)
     for _ in range(steps):
-        sync(device)
+        # No device sync between steps: each returns sampled ids to the host (async: those of
+        # the step before), and a sync here would drain the async pipeline.
         start = time.perf_counter()
-        engine.step()  # returns sampled ids to the host: the step is complete when it returns
+        engine.step()
         times.append(time.perf_counter() - start)
     engine.abort_requests(ids)
     engine.step()
@@ -125,9 +132,10 @@ def save_plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for executor in sorted({r["executor"] for r in rows}):
-        mine = sorted((r for r in rows if r["executor"] == executor), key=lambda r: r["batch"])
-        ax.plot([r["batch"] for r in mine], [r["step_ms"] for r in mine], "o-", label=f"raypaged ({executor})")
+    for key in sorted({(r["executor"], r["scheduling"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["executor"], r["scheduling"]) == key), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in mine], [r["step_ms"] for r in mine], "o-",
+                label=f"raypaged ({key[0]}, {key[1]})")
     floor = sorted({(r["batch"], r["floor_ms"]) for r in rows})
     ax.plot([b for b, _ in floor], [f for _, f in floor], "k--", label="byte floor")
     ax.plot([b for b, _ in floor], [1.2 * f for _, f in floor], "k:", label="1.2x floor (target)")
@@ -155,6 +163,9 @@ def main() -> int:
     parser.add_argument("--executors", default="uni",
                         help="comma list of uni,ray: decode step times through each (ray = the "
                              "worker in a Ray actor, the step broadcast over a compiled graph)")
+    parser.add_argument("--scheduling", default="sync",
+                        help="comma list of sync,async: decode step times with asynchronous "
+                             "scheduling off and on")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -178,7 +189,8 @@ def main() -> int:
             print(f"transformers generate: {result['hf_generate']['output_tokens_per_s']:.0f} tok/s", flush=True)
         max_len = max(args.context + args.decode_steps + 16, args.prompt_len + args.output_len + 8)
         rows = []
-        for index, executor in enumerate(args.executors.split(",")):
+        runs = [(e, s) for e in args.executors.split(",") for s in args.scheduling.split(",")]
+        for executor, scheduling in runs:
             if executor == "ray":
                 import ray
 
@@ -188,19 +200,22 @@ def main() -> int:
                       max_model_len=max_len, max_num_seqs=max(batch_sizes + [args.throughput_batch]),
                       max_num_batched_tokens=8192 if device.type == "cuda" else 1024,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      kv_cache_memory_bytes=2**30, distributed_executor_backend=executor)
+                      kv_cache_memory_bytes=2**30, distributed_executor_backend=executor,
+                      async_scheduling=scheduling == "async")
             result.setdefault("num_kv_blocks", llm.engine.num_blocks)
             for batch in batch_sizes:
                 step_ms = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab, device)
                 floor_ms = (weight_bytes(args.shape, element, batch) + batch * args.context * kv_bytes_per_token(args.shape, element)) / bandwidth * 1e3
-                rows.append({"executor": executor, "batch": batch, "context": args.context,
-                             "step_ms": step_ms, "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms})
-                print(f"[{executor}] decode B={batch}: {step_ms:.2f} ms/step (floor {floor_ms:.2f} ms, "
-                      f"{step_ms / floor_ms:.2f}x)", flush=True)
-            if index == 0:
+                rows.append({"executor": executor, "scheduling": scheduling, "batch": batch,
+                             "context": args.context, "step_ms": step_ms, "floor_ms": floor_ms,
+                             "ratio_to_floor": step_ms / floor_ms})
+                print(f"[{executor}, {scheduling}] decode B={batch}: {step_ms:.2f} ms/step (floor "
+                      f"{floor_ms:.2f} ms, {step_ms / floor_ms:.2f}x)", flush=True)
+            if executor == "uni" or "raypaged" not in result:
+                # Throughput with the last in-process scheduling mode listed (async if asked).
                 result["raypaged"] = throughput(llm, args.throughput_batch, args.prompt_len,
                                                 args.output_len, vocab)
-                result["raypaged"]["executor"] = executor
+                result["raypaged"].update(executor=executor, scheduling=scheduling)
             llm.shutdown()
             del llm
             release_memory(device)
@@ -210,15 +225,19 @@ def main() -> int:
     print("\n| what | figure |\n| --- | --- |")
     print(f"| copy bandwidth | {bandwidth / 1e12:.2f} TB/s |")
     for row in rows:
-        print(f"| decode step [{row['executor']}], batch {row['batch']}, context {row['context']} | "
-              f"{row['step_ms']:.2f} ms ({row['ratio_to_floor']:.2f}x the {row['floor_ms']:.2f} ms floor) |")
-    by_key = {(r["executor"], r["batch"]): r["step_ms"] for r in rows}
-    for batch in batch_sizes:
-        if ("uni", batch) in by_key and ("ray", batch) in by_key:
-            overhead = by_key[("ray", batch)] / by_key[("uni", batch)] - 1
-            result.setdefault("ray_overhead", {})[str(batch)] = overhead
-            print(f"| Ray's cost per step, batch {batch} | {overhead * 100:+.1f}% |")
-    print(f"| raypaged, {args.throughput_batch} x ({args.prompt_len} + {args.output_len}) | {ours:.0f} output tok/s |")
+        print(f"| decode step [{row['executor']}, {row['scheduling']}], batch {row['batch']}, context "
+              f"{row['context']} | {row['step_ms']:.2f} ms ({row['ratio_to_floor']:.2f}x the "
+              f"{row['floor_ms']:.2f} ms floor) |")
+    by_key = {(r["executor"], r["scheduling"], r["batch"]): r["step_ms"] for r in rows}
+    for scheduling in args.scheduling.split(","):
+        for batch in batch_sizes:
+            uni, ray_ = by_key.get(("uni", scheduling, batch)), by_key.get(("ray", scheduling, batch))
+            if uni and ray_:
+                overhead = ray_ / uni - 1
+                result.setdefault("ray_overhead", {}).setdefault(scheduling, {})[str(batch)] = overhead
+                print(f"| Ray's cost per step ({scheduling}), batch {batch} | {overhead * 100:+.1f}% |")
+    print(f"| raypaged ({result['raypaged']['executor']}, {result['raypaged']['scheduling']}), "
+          f"{args.throughput_batch} x ({args.prompt_len} + {args.output_len}) | {ours:.0f} output tok/s |")
     if "hf_generate" in result:
         hf = result["hf_generate"]["output_tokens_per_s"]
         result["speedup_vs_hf"] = ours / hf

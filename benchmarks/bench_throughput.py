@@ -275,6 +275,8 @@ def parse_args() -> argparse.Namespace:
                              % CPU_NUM_KV_BLOCKS)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="both raypaged modes with asynchronous scheduling")
     parser.add_argument("--stats-every", type=int, default=4, help="sample KV stats every N steps")
     parser.add_argument("--hf-requests", type=int, default=16, help="0: skip transformers")
     parser.add_argument("--hf-batch-size", type=int, default=8)
@@ -295,7 +297,8 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, dtype_name: s
               max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              num_gpu_blocks_override=num_blocks, kv_cache_mode=mode)
+              num_gpu_blocks_override=num_blocks, kv_cache_mode=mode,
+              async_scheduling=args.async_scheduling)
     init_seconds = time.perf_counter() - start
     try:
         result = run_engine(llm, requests, args.stats_every, device)
@@ -350,7 +353,7 @@ def main() -> int:
           f"{result['mean_output_len']:.0f} tokens on average, longest {result['max_total_len']}",
           flush=True)
     device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    name = f"throughput_{args.shape}_{device_tag}"
+    name = f"throughput_{args.shape}_{device_tag}" + ("_async" if args.async_scheduling else "")
 
     def save() -> Path:  # after every phase: a run cut short still leaves what it measured
         add_ratios(result)
