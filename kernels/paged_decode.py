@@ -22,7 +22,9 @@ import triton.language as tl
 from .triton_common import LOG2_E, dot, dot_mode, num_sms
 from .validation import check_decode_inputs, output_for
 
-@triton.jit
+# The block table's row stride is the widest table of the step: left unspecialised, so a width
+# that happens to be 1 or a multiple of 16 does not compile another variant mid-serving.
+@triton.jit(do_not_specialize=["stride_table_seq"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,

@@ -134,7 +134,9 @@ def _attend_new(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base
     return acc, m_i, l_i
 
 
-@triton.jit
+# num_seqs and the block table's row stride change every step: left unspecialised (see
+# paged_decode.py), so their values never compile another variant mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     k_new_ptr, v_new_ptr, k_desc, v_desc,

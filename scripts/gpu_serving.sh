@@ -14,9 +14,12 @@
 # rate with p99 TTFT over 10 s, and starts no rate that would end past 220 s of that mode.
 # Writes serving_8b_h200.json and .png to $OUT (the JSON after every rate).
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_serving.sh   (with .device/ carried)
+# Later flags override these (e.g. --rates 24,40,56 --mode-budget-s 170).
 set -euo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
 use_ray  # raypaged launch runs the engine in a Ray actor
+timeout 60 python3 -m pytest -q -m gpu tests/test_kernels_triton.py -p no:cacheprovider \
+    -k "decode_half or prefill_every or warm_up" 2>&1 | tail -3 | tee "$OUT_DIR/kernel_tests.log"
 python3 benchmarks/bench_serving.py --shape 8b --rates 24,40,64,96 --num-requests 1000 \
     --warmup-rate-requests 200 --max-total-len 2048 --stop-ttft-s 10 --mode-budget-s 220 \
     --out "$OUT_DIR" "$@" \

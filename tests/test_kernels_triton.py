@@ -434,3 +434,15 @@ def test_gpu_decode_replays_in_a_cuda_graph():
             out, lambda cd: paged_decode_ref(q, *args, seq_lens, 0.088, compute_dtype=cd),
             torch.bfloat16,
         )
+
+
+def test_warm_up_runs_every_variant_and_leaves_the_pool_alone():
+    """The start-up warm-up (kernels/warmup.py) reads the pool only: every slot stays as it was."""
+    from raypaged.kernels.warmup import warm_up_attention
+
+    torch.manual_seed(0)
+    k_cache = torch.randn(4, 8, 2, 16)
+    v_cache = torch.randn(4, 8, 2, 16)
+    before = (k_cache.clone(), v_cache.clone())
+    assert warm_up_attention(k_cache, v_cache, num_q_heads=4) >= 0
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -151,6 +151,11 @@ class Worker:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_cuda_graphs(self.config.max_num_seqs, max_model_len,
                                             self._piecewise_max_tokens())
+        if self.device.type == "cuda" and ops.backend_for(kv_caches[0][0]) == "triton":
+            from raypaged.kernels.warmup import warm_up_attention
+
+            seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size)
+            logger.info("attention kernels compiled for every split count in %.1f s", seconds)
 
     def _piecewise_max_tokens(self) -> int | None:
         """The largest piecewise-graph bucket, or None for no piecewise graphs."""
