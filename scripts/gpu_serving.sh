@@ -18,8 +18,6 @@
 set -euo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
 use_ray  # raypaged launch runs the engine in a Ray actor
-timeout 60 python3 -m pytest -q -m gpu tests/test_kernels_triton.py -p no:cacheprovider \
-    -k "gpu_decode_bf16 or gpu_prefill_bf16 or graph" 2>&1 | tail -3 | tee "$OUT_DIR/kernel_tests.log"
 python3 benchmarks/bench_serving.py --shape 8b --rates 24,40,64,96 --num-requests 1000 \
     --warmup-rate-requests 200 --max-total-len 2048 --stop-ttft-s 10 --mode-budget-s 220 \
     --out "$OUT_DIR" "$@" \
