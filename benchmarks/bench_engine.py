@@ -163,7 +163,7 @@ def main() -> int:
     parser.add_argument("--executors", default="uni",
                         help="comma list of uni,ray: decode step times through each (ray = the "
                              "worker in a Ray actor, the step broadcast over a compiled graph)")
-    parser.add_argument("--scheduling", default="sync",
+    parser.add_argument("--scheduling", default="sync,async",
                         help="comma list of sync,async: decode step times with asynchronous "
                              "scheduling off and on")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)

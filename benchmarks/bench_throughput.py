@@ -275,8 +275,9 @@ def parse_args() -> argparse.Namespace:
                              % CPU_NUM_KV_BLOCKS)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="both raypaged modes with asynchronous scheduling")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="both raypaged modes with asynchronous scheduling (default on, as "
+                             "the engine; off: the file name ends in _sync)")
     parser.add_argument("--stats-every", type=int, default=4, help="sample KV stats every N steps")
     parser.add_argument("--hf-requests", type=int, default=16, help="0: skip transformers")
     parser.add_argument("--hf-batch-size", type=int, default=8)
@@ -353,7 +354,7 @@ def main() -> int:
           f"{result['mean_output_len']:.0f} tokens on average, longest {result['max_total_len']}",
           flush=True)
     device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    name = f"throughput_{args.shape}_{device_tag}" + ("_async" if args.async_scheduling else "")
+    name = f"throughput_{args.shape}_{device_tag}" + ("" if args.async_scheduling else "_sync")
 
     def save() -> Path:  # after every phase: a run cut short still leaves what it measured
         add_ratios(result)

@@ -18,4 +18,4 @@ timeout 330 python3 benchmarks/bench_engine.py --shape 8b --executors uni,ray --
     --prompt-len 512 --output-len 256 --out "$OUT_DIR" 2>&1 | quiet
 timeout 110 python3 benchmarks/bench_throughput.py --shape 8b --num-requests 1000 --max-total-len 2048 \
     --max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --stats-every 8 \
-    --hf-requests 0 --modes paged --async-scheduling --out "$OUT_DIR" 2>&1 | quiet
+    --hf-requests 0 --modes paged --out "$OUT_DIR" 2>&1 | quiet  # async scheduling: the default

@@ -1,5 +1,8 @@
 """Every refusal is a gRPC status with a clear message; afterwards the server is still SERVING,
-the engine holds nothing it should not (the pool is whole) and other streams are unharmed."""
+the engine holds nothing it should not (the pool is whole) and other streams are unharmed.
+
+The engine here schedules one step at a time (--no-async-scheduling); the other frontend modules
+run the default, asynchronous scheduling."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def server(model_dir):
     with cpu_server(model_dir, num_gpu_blocks_override=64, max_num_seqs=MAX_NUM_SEQS,
-                    max_waiting_requests=MAX_WAITING) as running:
+                    max_waiting_requests=MAX_WAITING, async_scheduling=False) as running:
         yield running
 
 

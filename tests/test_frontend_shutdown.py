@@ -79,6 +79,9 @@ def test_graceful_shutdown_with_tensor_parallel_engine():
     assert chunks[-1].outputs[0].finish_reason == "length"
     shutdown.result(timeout=60)
     server.stop()
+    deadline = time.monotonic() + 10  # ray.kill returns before the actor's process is gone
+    while alive_actors() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert alive_actors() == [] and live_placement_groups() == []
     with Client(server.address) as c, pytest.raises(RequestError) as gone:
         c.health(timeout=2)

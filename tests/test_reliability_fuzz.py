@@ -9,8 +9,8 @@
 - Oversized messages (RESOURCE_EXHAUSTED) and a million prompt ids (refused at once).
 
 Throughout: the server stays SERVING; at the end the engine is alive and the pool whole. The
-engine runs with asynchronous scheduling here (cancels and aborts land while a step is in flight;
-the other frontend modules run it synchronously).
+engine schedules asynchronously (the default, spelled out: cancels and aborts land while a step
+is in flight).
 CI runs a few hundred cases; `-m slow` runs 1,000 generated requests and 1,000 byte strings.
 """
 

@@ -224,6 +224,11 @@ class RayExecutor:
                 self.compiled_dag.teardown()
             except Exception:  # a broken group cannot always be torn down cleanly: kill below
                 logger.debug("compiled graph teardown failed", exc_info=True)
+            # Teardown leaves the graph's driver-side proxy actor to die with its owner (this
+            # process), which outlives the executor when the engine restarts its workers.
+            proxy = getattr(self.compiled_dag, "_proxy_actor", None)
+            if proxy is not None:
+                ray.kill(proxy, no_restart=True)
             self.compiled_dag = None
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
