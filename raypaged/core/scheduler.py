@@ -10,13 +10,8 @@ apply (see outputs.py). update_from_output() (scheduler_update.py) takes the sam
 checks stop conditions, forks n > 1 requests once their prompt is done, and frees finished
 requests' blocks at once.
 
-Asynchronous scheduling (SchedulerConfig.async_scheduling): the engine plans step N+1 while the
-workers run step N, and hands step N's tokens to update_from_output after that. So schedule()
-counts its tokens as computed at once, and each request the step will sample for gets a
-PLACEHOLDER_TOKEN_ID as its next token, which step N+1 may already schedule (the workers put the
-sampled token in its place). A request whose next token may end it for length, or that forks
-(n > 1) on it, gets no placeholder: it sits out step N+1. A stop token ends a request one step
-late: the token step N+1 computed for it is dropped.
+With asynchronous scheduling schedule() runs a step ahead of update_from_output (see
+scheduler_update.py).
 
 Who the workers hold: every request that went out as NewRequestData and has not been dropped since
 (finished_req_ids / preempted_req_ids). A running request the workers do not hold (a sample just
@@ -168,21 +163,6 @@ class Scheduler(SchedulerUpdate):
         if self.config.async_scheduling:
             self._advance(out)
         return out
-
-    def _advance(self, out: SchedulerOutput) -> None:
-        """Asynchronous scheduling: take the step's tokens as computed now, and give each request
-        it samples for a placeholder next token (see the module docstring)."""
-        ends = []
-        for request, num_new in zip(self._scheduled, out.num_scheduled_tokens.values()):
-            end = request.num_computed_tokens + num_new
-            request.num_computed_tokens = end
-            ends.append(end)
-            tokens = request.all_token_ids
-            if (end == len(tokens) and end + 1 < request.max_num_tokens
-                    and (end > request.num_prompt_tokens or request.sampling_params.n == 1)):
-                tokens.append(PLACEHOLDER_TOKEN_ID)
-        if out.total_num_scheduled_tokens:
-            self._in_flight.append((out, self._scheduled, ends))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first, in order (the oldest keep their place under memory pressure):

@@ -6,6 +6,14 @@ records as one EngineCoreOutputs batch: a plain record (the request's next token
 entries, and only the rare ones (a first token, a finish, a sample, logprobs) are built whole.
 An n > 1 request forks here once its prompt is done; a finished request's blocks are freed at once.
 
+Asynchronous scheduling (SchedulerConfig.async_scheduling): the engine plans step N+1 while the
+workers run step N, and hands step N's tokens to update_from_output after that. So schedule()
+counts its tokens as computed at once (_advance), and each request the step will sample for gets a
+PLACEHOLDER_TOKEN_ID as its next token, which step N+1 may already schedule (the workers put the
+sampled token in its place). A request whose next token may end it for length, or that forks
+(n > 1) on it, gets no placeholder: it sits out step N+1. A stop token ends a request one step
+late: the token step N+1 computed for it is dropped.
+
 Split from scheduler.py for size: SchedulerUpdate holds no state of its own; Scheduler (which
 derives from it) sets up the attributes annotated below.
 """
@@ -109,6 +117,21 @@ class SchedulerUpdate:
         if finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        """Asynchronous scheduling: take the step's tokens as computed now, and give each request
+        it samples for a placeholder next token (see the module docstring)."""
+        ends = []
+        for request, num_new in zip(self._scheduled, out.num_scheduled_tokens.values()):
+            end = request.num_computed_tokens + num_new
+            request.num_computed_tokens = end
+            ends.append(end)
+            tokens = request.all_token_ids
+            if (end == len(tokens) and end + 1 < request.max_num_tokens
+                    and (end > request.num_prompt_tokens or request.sampling_params.n == 1)):
+                tokens.append(PLACEHOLDER_TOKEN_ID)
+        if out.total_num_scheduled_tokens:
+            self._in_flight.append((out, self._scheduled, ends))
 
     def take_pending_outputs(self) -> EngineCoreOutputs:
         """Records made inside schedule() (requests that outgrew the cache) when no step's

@@ -26,6 +26,7 @@ from raypaged.core.sampling_params import SamplingParams
 from raypaged.kernels import ops
 from raypaged.model.attention import AttentionMetadata
 from raypaged.model.parallel import get_tp_size, tp_broadcast
+from raypaged.worker.async_output import InFlightTokens, add_sampled_tokens
 from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
@@ -66,20 +67,6 @@ class StepInputs:
     placeholders: list[tuple[int, str]]
 
 
-@dataclass
-class SampledStep:
-    """A step's sampled tokens on their way to the host (asynchronous scheduling)."""
-
-    row_states: list[CachedRequestState]
-    token_ids: torch.Tensor  # [rows] on the device: the next step's placeholder inputs
-    host_token_ids: torch.Tensor  # [rows] on the host once `ready` has passed
-    ready: torch.cuda.Event | None  # None on the CPU
-    # request id -> (its first sampled row, the position that row's token takes in its tokens)
-    rows: dict[str, tuple[int, int]]
-    result: ModelRunnerOutput | None  # rank 0's answer, tokens added once they are on the host
-    logprobs: list | None  # per row (rows that asked for them), already on the host
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, vocab_size: int, device: torch.device,
@@ -96,8 +83,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.async_output = async_output
-        self._previous: SampledStep | None = None  # async_output: the step not answered yet
-        self._pinned: torch.Tensor | None = None  # its tokens' host buffer (CUDA)
+        self.in_flight = InFlightTokens(device)  # async_output: the step not answered yet
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
                             piecewise_max_tokens: int | None) -> None:
@@ -124,7 +110,7 @@ class ModelRunner:
         self.piecewise_graphs = None
         self.kv_caches.clear()
         self.requests.clear()
-        self._previous = None
+        self.in_flight.clear()
 
     # ---- applying the diff -------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -224,7 +210,7 @@ class ModelRunner:
         dev = self.device
         ids_t = _to_device(np.array(input_ids, dtype=np.int64), dev)
         if placeholders:
-            ids_t = self._fill_placeholders(ids_t, placeholders)
+            self.in_flight.fill_placeholders(ids_t, placeholders)
         rows_t = None if all_rows else _to_device(np.array(sample_rows, dtype=np.int64), dev)
         metadata = AttentionMetadata(
             slot_mapping=_to_device(slot_mapping, dev),
@@ -238,25 +224,6 @@ class ModelRunner:
         )
         return StepInputs(states, ids_t, _to_device(positions, dev), metadata, rows_t,
                           row_states, sample_indices, placeholders)
-
-    def _fill_placeholders(self, input_ids: torch.Tensor,
-                           placeholders: list[tuple[int, str]]) -> torch.Tensor:
-        """Each placeholder input is the token the previous step sampled for that request,
-        still on the device (the scheduler sends one only then)."""
-        previous = self._previous
-        if previous is None:
-            raise RuntimeError("a placeholder input, but no step before it sampled")
-        rows = previous.rows
-        try:
-            src = [rows[req_id][0] for _, req_id in placeholders]
-        except KeyError as e:
-            raise RuntimeError(f"a placeholder input for {e}, which the previous step did not "
-                               "sample for") from None
-        dst = [index for index, _ in placeholders]
-        dev = self.device
-        input_ids[_to_device(np.array(dst, dtype=np.int64), dev)] = \
-            previous.token_ids[_to_device(np.array(src, dtype=np.int64), dev)]
-        return input_ids
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -292,7 +259,7 @@ class ModelRunner:
     def _sample(self, step: StepInputs, logits: torch.Tensor | None,
                 sync: bool) -> ModelRunnerOutput | None:
         """Sample the step's rows (rank 0). sync: wait for the tokens and return the answer;
-        else start their copy to the host and keep the step as self._previous."""
+        else start their copy to the host and keep the step in self.in_flight."""
         row_states, sample_indices = step.row_states, step.sample_indices
         if not self.is_driver and sync:
             return None
@@ -304,12 +271,11 @@ class ModelRunner:
         ) if self.is_driver else None
         if logits is None:  # prefill chunks only: nothing to sample
             if not sync:
-                self._keep([], torch.empty(0, dtype=torch.int64), result if self.is_driver else None,
-                           None)
+                self.in_flight.keep([], torch.empty(0, dtype=torch.int64), result, None)
             return result if self.is_driver else None
         if not self.is_driver:  # async: its placeholders need the tokens rank 0 samples
             token_ids = torch.empty(len(row_states), dtype=torch.int64, device=self.device)
-            self._keep(row_states, tp_broadcast(token_ids), None, None)
+            self.in_flight.keep(row_states, tp_broadcast(token_ids), None, None)
             return None
         # Token histories only for rows with penalties: copying every request's whole context
         # each step would make the step's host work grow with context length.
@@ -333,61 +299,17 @@ class ModelRunner:
         if not sync:
             if get_tp_size() > 1:
                 tp_broadcast(sampled.sampled_token_ids)
-            self._keep(row_states, sampled.sampled_token_ids, result, row_logprobs)
+            self.in_flight.keep(row_states, sampled.sampled_token_ids, result, row_logprobs)
             return None
-        _add_tokens(result, row_states, sampled.sampled_token_ids.tolist(), row_logprobs)
+        add_sampled_tokens(result, row_states, sampled.sampled_token_ids.tolist(), row_logprobs)
         return result
 
-    # ---- asynchronous scheduling ------------------------------------------------------------
-    def _keep(self, row_states: list[CachedRequestState], token_ids: torch.Tensor,
-              result: ModelRunnerOutput | None, logprobs: list | None) -> None:
-        """Start the step's tokens on their way to the host; the next call takes them."""
-        ready = None
-        host = token_ids
-        if token_ids.is_cuda:
-            n = token_ids.shape[0]
-            if self._pinned is None or self._pinned.shape[0] < n:
-                self._pinned = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-            host = self._pinned[:n]
-            host.copy_(token_ids, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        rows: dict[str, tuple[int, int]] = {}
-        for row, state in enumerate(row_states):
-            if state.req_id not in rows:  # n > 1: sample 0 continues the request
-                rows[state.req_id] = (row, len(state.token_ids))
-        self._previous = SampledStep(row_states, token_ids, host, ready, rows, result, logprobs)
-
     def _take_previous(self) -> ModelRunnerOutput | None:
-        """The previous step's answer, once its tokens are on the host; they also replace the
-        placeholders in the requests' token histories."""
-        previous, self._previous = self._previous, None
-        if previous is None:
-            return ModelRunnerOutput() if self.is_driver else None
-        if previous.ready is not None:
-            previous.ready.synchronize()  # that step only: the forward queued since keeps running
-        token_ids = previous.host_token_ids.tolist()
-        requests = self.requests
-        for req_id, (row, position) in previous.rows.items():
-            state = requests.get(req_id)  # by id: it may have been dropped or sent anew since
-            if state is not None and position < len(state.token_ids) \
-                    and state.token_ids[position] == PLACEHOLDER_TOKEN_ID:
-                state.token_ids[position] = token_ids[row]
-        if previous.result is not None:
-            _add_tokens(previous.result, previous.row_states, token_ids, previous.logprobs)
-        return previous.result
-
-
-def _add_tokens(result: ModelRunnerOutput, row_states: list[CachedRequestState],
-                token_ids: list[int], row_logprobs: list | None) -> None:
-    position = {req_id: i for i, req_id in enumerate(result.req_ids)}
-    for row, state in enumerate(row_states):
-        i = position[state.req_id]
-        result.sampled_token_ids[i].append(token_ids[row])
-        if row_logprobs is not None and state.sampling_params.logprobs is not None:
-            if result.logprobs[i] is None:
-                result.logprobs[i] = []
-            result.logprobs[i].append(row_logprobs[row])
+        """The previous step's answer (an empty one after a step that ran nothing)."""
+        answer = self.in_flight.take(self.requests)
+        if answer is None and self.is_driver:
+            return ModelRunnerOutput()
+        return answer
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
