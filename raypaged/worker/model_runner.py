@@ -295,6 +295,8 @@ class ModelRunner:
                 if banned:
                     logits[row, banned] = float("-inf")
         sampled = self.sampler(logits, sampling_metadata)
+        # Logprobs come to the host now (a sync on this step: rows that ask for them give up the
+        # overlap of asynchronous scheduling for the step).
         row_logprobs = sampled.logprobs_as_dicts() if sampled.logprobs is not None else None
         if not sync:
             if get_tp_size() > 1:
