@@ -6,7 +6,9 @@
 
 Cases: short and long contexts (per-step cost must not grow with context length), prefix caching
 on and off (on: a request that fills a block hashes it into the prefix cache; with staggered
-prompts 1/16 of the requests do so every step), the garbage collector on or frozen. The JSON also
+prompts 1/16 of the requests do so every step), the garbage collector on or frozen, and
+asynchronous scheduling (the engine's default: schedule() of step N+1, then the update of step N,
+each request decoding on a placeholder). The JSON also
 records what the step's output batch alone costs: the update appends two list entries per request
 (EngineCoreOutputs), next to what one EngineCoreOutput object per request (the former interface)
 would cost.
@@ -74,14 +76,29 @@ def summary(xs: list[float]) -> dict:
             "min": xs[0]}
 
 
+def decode_answer(scheduler_output: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
+    """A token for every request of a decode-only step (asynchronous scheduling: answered after
+    the next schedule(), when the scheduler's counts already include that step)."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    token = rng.randrange(1, 32000)
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[token] for _ in req_ids],
+                             logprobs=[None] * len(req_ids))
+
+
 def measure(num_requests: int, prompt_len: int, num_steps: int, prefix_caching: bool,
-            gc_freeze: bool = False, profile: cProfile.Profile | None = None) -> dict:
+            gc_freeze: bool = False, profile: cProfile.Profile | None = None,
+            async_scheduling: bool = False) -> dict:
     """Per step: wall time, and this thread's CPU time (what the step costs when other
     processes share the cores, as on a busy 2-core machine)."""
     rng = random.Random(0)
     # Requests that finish prefill early decode while the rest prefill: leave them room.
     max_tokens = num_steps + 2 * num_requests * prompt_len // 8192 + 16
     scheduler = build(num_requests, prompt_len, max_tokens, prefix_caching, rng)
+    # Built one step at a time; from here (nothing in flight) the steps overlap if asked.
+    scheduler.config.async_scheduling = async_scheduling
+    answered = None
+    if async_scheduling:
+        answered = scheduler.schedule()  # the first step in flight
     times: dict[str, list[float]] = {k: [] for k in ("schedule", "update", "step", "step_cpu")}
     gc.collect()
     if gc_freeze:
@@ -96,7 +113,11 @@ def measure(num_requests: int, prompt_len: int, num_steps: int, prefix_caching: 
         t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         if profile is not None:
             profile.disable()
-        runner_output = fake_runner_output(scheduler, out, rng)
+        if async_scheduling:
+            answered, out = out, answered  # the update takes the step before this one
+            runner_output = decode_answer(out, rng)
+        else:
+            runner_output = fake_runner_output(scheduler, out, rng)
         if profile is not None:
             profile.enable()
         c2, t2 = time.thread_time_ns(), time.perf_counter_ns()
@@ -113,6 +134,7 @@ def measure(num_requests: int, prompt_len: int, num_steps: int, prefix_caching: 
         gc.unfreeze()
     return {"num_requests": num_requests, "prompt_len": prompt_len, "num_steps": num_steps,
             "prefix_caching": prefix_caching, "gc_freeze": gc_freeze,
+            "async_scheduling": async_scheduling,
             **{f"{k}_us": summary(v) for k, v in times.items()}}
 
 
@@ -170,15 +192,18 @@ def main() -> int:
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
         return 0
 
-    cases = [(128, True, False), (128, False, False), (2048, True, False), (128, True, True),
-             (2048, True, True)]
-    results = [measure(args.requests, prompt_len, args.steps, caching, freeze)
-               for prompt_len, caching, freeze in cases]
-    print(f"{'requests':>8} {'context':>8} {'prefix$':>7} {'gc':>6} | wall us: {'schedule':>8} "
+    cases = [(128, True, False, False), (128, False, False, False), (2048, True, False, False),
+             (128, True, True, False), (2048, True, True, False), (128, True, True, True),
+             (2048, True, True, True)]
+    results = [measure(args.requests, prompt_len, args.steps, caching, freeze,
+                       async_scheduling=overlap)
+               for prompt_len, caching, freeze, overlap in cases]
+    print(f"{'requests':>8} {'context':>8} {'prefix$':>7} {'gc':>6} {'sched':>5} | wall us: {'schedule':>8} "
           f"{'update':>7} {'step':>6} {'p50':>6} {'min':>6} | step CPU us: {'mean':>6} {'p50':>6}")
     for r in results:
         print(f"{r['num_requests']:>8} {r['prompt_len']:>8} {str(r['prefix_caching']):>7} "
-              f"{'frozen' if r['gc_freeze'] else 'on':>6} |          {r['schedule_us']['mean']:>8.0f} "
+              f"{'frozen' if r['gc_freeze'] else 'on':>6} {'async' if r['async_scheduling'] else 'sync':>5} |"
+              f"          {r['schedule_us']['mean']:>8.0f} "
               f"{r['update_us']['mean']:>7.0f} {r['step_us']['mean']:>6.0f} {r['step_us']['p50']:>6.0f} "
               f"{r['step_us']['min']:>6.0f} |              {r['step_cpu_us']['mean']:>6.0f} "
               f"{r['step_cpu_us']['p50']:>6.0f}")

@@ -121,15 +121,17 @@ class SchedulerUpdate:
     def _advance(self, out: SchedulerOutput) -> None:
         """Asynchronous scheduling: take the step's tokens as computed now, and give each request
         it samples for a placeholder next token (see the module docstring)."""
-        ends = []
+        ends: list[int] = []
+        ends_append = ends.append
+        placeholder = PLACEHOLDER_TOKEN_ID
         for request, num_new in zip(self._scheduled, out.num_scheduled_tokens.values()):
             end = request.num_computed_tokens + num_new
             request.num_computed_tokens = end
-            ends.append(end)
+            ends_append(end)
             tokens = request.all_token_ids
-            if (end == len(tokens) and end + 1 < request.max_num_tokens
-                    and (end > request.num_prompt_tokens or request.sampling_params.n == 1)):
-                tokens.append(PLACEHOLDER_TOKEN_ID)
+            if end == len(tokens) and end < request.max_num_tokens - 1 and (
+                    request.sampling_params.n == 1 or end > len(request.prompt_token_ids)):
+                tokens.append(placeholder)
         if out.total_num_scheduled_tokens:
             self._in_flight.append((out, self._scheduled, ends))
 
