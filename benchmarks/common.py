@@ -39,6 +39,14 @@ def write_config(shape: str, dtype: str, directory: Path) -> Path:
     return directory
 
 
+def decode_setup(shape: str, batch_sizes: str) -> tuple[torch.device, str, int, list[int]]:
+    """What a decode benchmark starts from: the device (CUDA if any), its dtype name (bf16 on
+    CUDA, fp32 on CPU), the shape's vocabulary size and the --batch-sizes list."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    return device, dtype_name, SHAPES[shape]["vocab_size"], [int(b) for b in batch_sizes.split(",")]
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -10,7 +10,9 @@ worker its diff apply, input prep, forward launch, logits, sampling-metadata bui
 and the wait for the sampled ids (`.tolist()`, where the host meets the GPU). For the Ray path,
 `dispatch` is engine's execute call → worker's execute_model starting and `return` is the worker
 returning → the engine holding the result: Ray's own cost, apart from the work. Medians over the
-steps; nothing here synchronizes the device beyond what the engine does itself.
+steps; nothing here synchronizes the device beyond what the engine does itself. The engine runs
+one step at a time unless --async-scheduling (then each execute call also waits on, and returns,
+the step before, and `other` is that wait).
 Writes benchmarks/results/profile_step_<shape>_<device>.json.
 """
 
@@ -31,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import prompts, start_decoding  # noqa: E402
-from common import SHAPES, environment, release_memory, write_config, write_json  # noqa: E402
+from common import (SHAPES, decode_setup, environment, release_memory,  # noqa: E402
+                    write_config, write_json)
 
 from raypaged import LLM, SamplingParams  # noqa: E402
 
@@ -179,13 +182,12 @@ def main() -> int:
     parser.add_argument("--mixed-prompt-len", type=int, default=0,
                         help="add a request with a prompt this long before every measured step, "
                              "so each step mixes the batch's decodes with one prefill (eager)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine's default mode (this profiler's phases read best sync)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-    vocab = SHAPES[args.shape]["vocab_size"]
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    device, dtype_name, vocab, batch_sizes = decode_setup(args.shape, args.batch_sizes)
     result = {"env": environment(), "args": vars(args), "phases_us": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(args.shape, dtype_name, Path(tmp))
@@ -217,7 +219,8 @@ def main() -> int:
                       max_num_batched_tokens=8192 if device.type == "cuda" else 2048,
                       gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
                       enforce_eager=args.enforce_eager, distributed_executor_backend=executor,
-                      piecewise_cuda_graph=not args.no_piecewise_cuda_graph)
+                      piecewise_cuda_graph=not args.no_piecewise_cuda_graph,
+                      async_scheduling=args.async_scheduling)
             for batch in batch_sizes:
                 phases = profile_batch(llm, batch, args.context, args.steps, vocab, worker_steps,
                                        args.mixed_prompt_len)

@@ -1,0 +1,103 @@
+"""How busy the GPU is during decode: per step, the device's kernel time against the wall time
+between engine steps, with asynchronous scheduling off and on.
+
+    python benchmarks/gpu_idle.py                                     # CPU: plumbing only
+    python benchmarks/gpu_idle.py --shape 8b --batch-sizes 1,64        # the H200 question
+
+The decode step of issue 8 is 1.38x / 1.27x the byte floor at batch 1 / 64 with async scheduling
+(benchmarks/README.md). That is either kernels slower than the floor (busy ≈ wall) or the GPU
+waiting between steps (busy < wall): this tells which, and lists the kernels by time. Steps are
+traced with torch.profiler after the batch is decoding; busy = the sum of the CUDA kernels' and
+copies' durations in the traced steps (kernels do not overlap within one stream). Written
+after the last device run of its session: not yet run on the GPU (if busy reads 0 there, the
+profiler's events were not parsed as expected: it says so).
+Writes benchmarks/results/gpu_idle_<shape>_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import start_decoding  # noqa: E402
+from common import (SHAPES, decode_setup, environment, release_memory, sync,  # noqa: E402
+                    write_config, write_json)
+
+from raypaged import LLM, SamplingParams  # noqa: E402
+
+
+def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
+                device: torch.device) -> dict:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    ids = start_decoding(engine, batch, context, vocab, params, "idle")
+    for _ in range(3):  # fill the async pipeline, settle the allocator
+        engine.step()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    engine.abort_requests(ids)
+    engine.step()
+    engine.step()
+    kernels: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.device_time_total
+    busy_us = sum(kernels.values()) / steps
+    if device.type == "cuda" and not kernels:
+        print("warning: no CUDA kernel events in the trace: busy time unknown", flush=True)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"wall_ms": wall / steps * 1e3, "busy_ms": busy_us / 1e3,
+            "idle_share": 1 - busy_us / 1e3 / (wall / steps * 1e3),
+            "top_kernels_ms": [(name[:90], total / steps / 1e3) for name, total in top]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--scheduling", default="sync,async")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    device, dtype_name, vocab, batch_sizes = decode_setup(args.shape, args.batch_sizes)
+    result = {"env": environment(), "args": vars(args), "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(args.shape, dtype_name, Path(tmp))
+        for scheduling in args.scheduling.split(","):
+            llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
+                      max_model_len=args.context + args.steps + 64, max_num_seqs=max(batch_sizes),
+                      gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
+                      async_scheduling=scheduling == "async")
+            for batch in batch_sizes:
+                run = trace_steps(llm, batch, args.context, args.steps, vocab, device)
+                result["runs"][f"{scheduling}/{batch}"] = run
+                print(f"[{scheduling}] batch {batch}: {run['wall_ms']:.2f} ms a step, GPU busy "
+                      f"{run['busy_ms']:.2f} ms ({run['idle_share']:.0%} idle)", flush=True)
+                for name, ms in run["top_kernels_ms"][:6]:
+                    print(f"    {ms:7.3f} ms  {name}")
+            llm.shutdown()
+            del llm
+            release_memory(device)
+    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
+    path = write_json(f"gpu_idle_{args.shape}_{device_tag}", result, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Issue 8's open decode target, first run for the next session (~3 minutes): is the 8B decode step
+# at 1.38x / 1.27x the byte floor (batch 1 / 64, async scheduling) kernel time or GPU idle time?
+# benchmarks/gpu_idle.py traces 20 steps per case with torch.profiler: wall vs the GPU's kernel
+# time per step, sync and async, and the top kernels.
+#   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_idle.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu_setup.sh"
+timeout 400 python3 benchmarks/gpu_idle.py --shape 8b --batch-sizes 1,64 --context 1024 \
+    --out "$OUT_DIR" 2>&1 | quiet | tee "$OUT_DIR/gpu_idle.log"
