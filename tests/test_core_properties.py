@@ -269,3 +269,11 @@ def test_block_pool_random_sequences(num_blocks, ops):
 @given(num_blocks=st.integers(1, 6), ops=pool_ops)
 def test_block_pool_random_sequences_many(num_blocks, ops):
     run_pool_sequence(num_blocks, ops)
+
+
+@pytest.mark.slow
+@SLOW
+@given(config=scheduler_configs(), ops=operations)
+def test_async_scheduling_gives_the_same_outputs_many(config, ops):
+    sync = run_to_completion(config, ops)
+    assert sync == run_to_completion(dataclasses.replace(config, async_scheduling=True), ops)

@@ -160,8 +160,10 @@ class Scheduler(SchedulerUpdate):
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.kv_cache_manager.take_block_copies()
         self._last_output = out
-        if self.config.async_scheduling:
-            self._advance(out)
+        if self.config.async_scheduling and out.total_num_scheduled_tokens:
+            # Each scheduled request was advanced as it was scheduled: its count is its end now.
+            scheduled = self._scheduled
+            self._in_flight.append((out, scheduled, [r.num_computed_tokens for r in scheduled]))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -175,6 +177,7 @@ class Scheduler(SchedulerUpdate):
         ids_append, tokens_append = cached.req_ids.append, cached.new_token_ids.append
         computed_append = cached.num_computed_tokens.append
         running, scheduled = self.running, self._scheduled
+        advance = self.config.async_scheduling
         i = 0
         while i < len(running) and budget > 0:
             # The common case, tight: a request the workers hold whose remaining tokens fit the
@@ -210,6 +213,12 @@ class Scheduler(SchedulerUpdate):
                 tokens_append([tokens[computed]] if num_new == 1 else tokens[computed:])
                 computed_append(computed)
                 budget -= num_new
+                if advance:  # _advance inline (this path's step always reaches the last token)
+                    end = computed + num_new
+                    request.num_computed_tokens = end
+                    if end < request.max_num_tokens - 1 and (
+                            request.sampling_params.n == 1 or end > len(request.prompt_token_ids)):
+                        tokens.append(PLACEHOLDER_TOKEN_ID)
             count = len(num_scheduled) - first
             scheduled += running[i:i + count]
             block_ids = cached.new_block_ids
@@ -277,6 +286,8 @@ class Scheduler(SchedulerUpdate):
             cached.num_computed_tokens.append(computed)
         else:
             self._send_new(request, kv.get_block_ids(request_id), out)
+        if self.config.async_scheduling:
+            self._advance(request, computed + num_new)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Then waiting requests, in queue order; in fcfs they never preempt running ones.
@@ -320,6 +331,8 @@ class Scheduler(SchedulerUpdate):
             self._scheduled.append(request)
             budget -= num_new
             self._send_new(request, new_blocks, out)
+            if config.async_scheduling:
+                self._advance(request, num_hit_tokens + num_new)
         return budget
 
     # ---- helpers ---------------------------------------------------------------------------------

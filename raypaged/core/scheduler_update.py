@@ -8,7 +8,7 @@ An n > 1 request forks here once its prompt is done; a finished request's blocks
 
 Asynchronous scheduling (SchedulerConfig.async_scheduling): the engine plans step N+1 while the
 workers run step N, and hands step N's tokens to update_from_output after that. So schedule()
-counts its tokens as computed at once (_advance), and each request the step will sample for gets a
+counts its tokens as computed as it schedules them (_advance), and each request the step will sample for gets a
 PLACEHOLDER_TOKEN_ID as its next token, which step N+1 may already schedule (the workers put the
 sampled token in its place). A request whose next token may end it for length, or that forks
 (n > 1) on it, gets no placeholder: it sits out step N+1. A stop token ends a request one step
@@ -118,22 +118,16 @@ class SchedulerUpdate:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
-    def _advance(self, out: SchedulerOutput) -> None:
-        """Asynchronous scheduling: take the step's tokens as computed now, and give each request
-        it samples for a placeholder next token (see the module docstring)."""
-        ends: list[int] = []
-        ends_append = ends.append
-        placeholder = PLACEHOLDER_TOKEN_ID
-        for request, num_new in zip(self._scheduled, out.num_scheduled_tokens.values()):
-            end = request.num_computed_tokens + num_new
-            request.num_computed_tokens = end
-            ends_append(end)
-            tokens = request.all_token_ids
-            if end == len(tokens) and end < request.max_num_tokens - 1 and (
-                    request.sampling_params.n == 1 or end > len(request.prompt_token_ids)):
-                tokens.append(placeholder)
-        if out.total_num_scheduled_tokens:
-            self._in_flight.append((out, self._scheduled, ends))
+    def _advance(self, request: Request, end: int) -> None:
+        """Asynchronous scheduling, as schedule() takes a request: its tokens up to `end` count as
+        computed now, and if the step samples for it, a placeholder is its next token (see the
+        module docstring). Called after the step's diff for it is built: the workers get the
+        tokens before the placeholder. The tight decode loop in schedule() does this inline."""
+        request.num_computed_tokens = end
+        tokens = request.all_token_ids
+        if end == len(tokens) and end < request.max_num_tokens - 1 and (
+                request.sampling_params.n == 1 or end > len(request.prompt_token_ids)):
+            tokens.append(PLACEHOLDER_TOKEN_ID)
 
     def take_pending_outputs(self) -> EngineCoreOutputs:
         """Records made inside schedule() (requests that outgrew the cache) when no step's
