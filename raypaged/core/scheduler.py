@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from itertools import islice
 
 from raypaged.core.admission import check_new_request
-from raypaged.core.errors import UnknownRequestError
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, NewRequestData, SchedulerOutput
@@ -101,36 +100,6 @@ class Scheduler(SchedulerUpdate):
         self.requests[request_id] = request
         self._groups.setdefault(request.group_id, set()).add(request_id)
         self.waiting.add(request)
-
-    def abort_requests(self, group_or_request_ids: str | list[str]) -> list[EngineCoreOutput]:
-        """Abort requests in any state. A group id aborts every sample of the group; a sample id
-        (f"{group}#{i}", i >= 0) that one. UnknownRequestError, before anything changes, for an id that
-        names no unfinished request or group."""
-        ids = [group_or_request_ids] if isinstance(group_or_request_ids, str) else list(group_or_request_ids)
-        targets: dict[str, Request] = {}
-        for id_ in ids:
-            members = self._groups.get(id_)
-            if members is not None:
-                targets.update((rid, self.requests[rid]) for rid in sorted(members))
-            elif id_ in self.requests:
-                targets[id_] = self.requests[id_]
-            elif id_.endswith("#0") and id_[:-2] in self.requests:
-                # Sample 0 alone: its request id is the group id, which names the whole group.
-                targets[id_[:-2]] = self.requests[id_[:-2]]
-            else:
-                raise UnknownRequestError(f"no unfinished request or group {id_!r}")
-        outputs = []
-        dropped = set()
-        for request in targets.values():
-            if request.status is _RUNNING:
-                dropped.add(request.request_id)
-            else:
-                self.waiting.remove(request)
-            self._finish(request, FinishReason.ABORT, None, self._finished_req_ids)
-            outputs.append(self._output(request, [], None))
-        if dropped:
-            self.running = [r for r in self.running if r.request_id not in dropped]
-        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

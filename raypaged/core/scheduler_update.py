@@ -5,6 +5,7 @@ filled into the prefix cache), appends the token, checks stop conditions, and re
 records as one EngineCoreOutputs batch: a plain record (the request's next token) costs two list
 entries, and only the rare ones (a first token, a finish, a sample, logprobs) are built whole.
 An n > 1 request forks here once its prompt is done; a finished request's blocks are freed at once.
+Aborts (abort_requests) finish requests through the same path.
 
 Asynchronous scheduling (SchedulerConfig.async_scheduling): the engine plans step N+1 while the
 workers run step N, and hands step N's tokens to update_from_output after that. So schedule()
@@ -25,7 +26,7 @@ from itertools import repeat
 from types import SimpleNamespace
 from typing import Callable
 
-from raypaged.core.errors import NoFreeBlocksError
+from raypaged.core.errors import NoFreeBlocksError, UnknownRequestError
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, Logprobs, ModelRunnerOutput, SchedulerOutput
 from raypaged.core.request import PLACEHOLDER_TOKEN_ID, FinishReason, Request, RequestStatus
@@ -40,7 +41,8 @@ _GONE = SimpleNamespace(status=RequestStatus.FINISHED)
 
 
 class SchedulerUpdate:
-    """update_from_output, the n > 1 fork and finishing a request (base class of Scheduler)."""
+    """update_from_output, the n > 1 fork, aborts and finishing a request (base class of
+    Scheduler)."""
 
     config: SchedulerConfig
     kv_cache_manager: KVCacheManagerInterface
@@ -210,6 +212,36 @@ class SchedulerUpdate:
             self._finish(request, reason, stop_reason, self._finished_req_ids)
         outputs.append(self._output(request, [token], logprobs))
         return reason is not None
+
+    def abort_requests(self, group_or_request_ids: str | list[str]) -> list[EngineCoreOutput]:
+        """Abort requests in any state. A group id aborts every sample of the group; a sample id
+        (f"{group}#{i}", i >= 0) that one. UnknownRequestError, before anything changes, for an id that
+        names no unfinished request or group."""
+        ids = [group_or_request_ids] if isinstance(group_or_request_ids, str) else list(group_or_request_ids)
+        targets: dict[str, Request] = {}
+        for id_ in ids:
+            members = self._groups.get(id_)
+            if members is not None:
+                targets.update((rid, self.requests[rid]) for rid in sorted(members))
+            elif id_ in self.requests:
+                targets[id_] = self.requests[id_]
+            elif id_.endswith("#0") and id_[:-2] in self.requests:
+                # Sample 0 alone: its request id is the group id, which names the whole group.
+                targets[id_[:-2]] = self.requests[id_[:-2]]
+            else:
+                raise UnknownRequestError(f"no unfinished request or group {id_!r}")
+        outputs = []
+        dropped = set()
+        for request in targets.values():
+            if request.status is _RUNNING:
+                dropped.add(request.request_id)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT, None, self._finished_req_ids)
+            outputs.append(self._output(request, [], None))
+        if dropped:
+            self.running = [r for r in self.running if r.request_id not in dropped]
+        return outputs
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None,
                 dropped_ids: set[str]) -> None:
