@@ -6,7 +6,8 @@
 #      process and through a Ray actor, each with scheduling sync and async (Ray's cost per step
 #      = ray / uni - 1 within a scheduling mode);
 #   3. the 1,000-request offline throughput run (scripts/gpu_profile.sh's requests), paged, with
-#      asynchronous scheduling (throughput_8b_h200_async.json; the sync figure is gpu_profile's).
+#      asynchronous scheduling (throughput_8b_h200.json; scripts/gpu_async_throughput.sh runs
+#      sync and async in one call).
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_async.sh   (with .device/ carried, for Ray)
 set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
