@@ -73,7 +73,12 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        """Tokens generated so far, not counting a placeholder of one still being sampled."""
+        tokens = self.all_token_ids
+        count = len(tokens) - len(self.prompt_token_ids)
+        while count and tokens[len(self.prompt_token_ids) + count - 1] == PLACEHOLDER_TOKEN_ID:
+            count -= 1
+        return count
 
     @property
     def output_token_ids(self) -> list[int]:
