@@ -63,51 +63,58 @@ class SchedulerUpdate:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Take one step's sampled tokens. Returns a record for each request that got a token or
-        finished (after any that finished inside schedule()). With asynchronous scheduling, the
-        answer to the oldest step in flight."""
-        if self.config.async_scheduling:
-            return self._update_async(scheduler_output, model_runner_output)
+        finished (after any that finished inside schedule()).
+
+        One step at a time, the step's tokens count as computed here. With asynchronous
+        scheduling the step answered is the oldest in flight: schedule() already counted its
+        tokens (`ends`: where each request's tokens ended) and put a placeholder where each
+        sampled token goes; the token replaces it (or is appended, where none was made)."""
         outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
         num_scheduled = scheduler_output.num_scheduled_tokens
-        req_ids = model_runner_output.req_ids
-        sampled_token_ids = model_runner_output.sampled_token_ids
-        logprobs = model_runner_output.logprobs
-        if len(sampled_token_ids) != len(req_ids) or (logprobs and len(logprobs) != len(req_ids)):
-            raise ValueError("the model runner's output lists differ in length")
-        if scheduler_output is self._last_output and req_ids == list(num_scheduled):
-            in_order, nums = self._scheduled, num_scheduled.values()  # the usual case: as scheduled
-        elif len(req_ids) == len(num_scheduled) and num_scheduled.keys() == set(req_ids):
-            in_order = [self.requests.get(request_id, _GONE) for request_id in req_ids]
-            nums = [num_scheduled[request_id] for request_id in req_ids]
+        ends: list[int] | None = None
+        if self.config.async_scheduling:
+            if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+                raise ValueError("update_from_output must answer the oldest step in flight")
+            _, scheduled, ends = self._in_flight.popleft()
+            self._held_back.clear()  # what schedule() preempted meanwhile has had its answer now
+        elif scheduler_output is self._last_output:
+            scheduled = self._scheduled  # the usual case: the step just scheduled
         else:
-            raise ValueError("the model runner's output does not answer the scheduled requests")
+            scheduled = [self.requests.get(request_id, _GONE) for request_id in num_scheduled]
         self._last_output = None
+        sampled_token_ids, logprobs = _in_scheduled_order(num_scheduled, model_runner_output)
         cache_blocks = self._cache_blocks
         block_size = self.config.block_size
         max_model_len = self.config.max_model_len
         ids_append, tokens_append = outputs.req_ids.append, outputs.new_token_ids.append
         finished = False
-        for request, num_new, sampled, new_logprobs in zip(
-                in_order, nums, sampled_token_ids, logprobs or repeat(None)):
+        for request, num_new, sampled, new_logprobs, end in zip(
+                scheduled, num_scheduled.values(), sampled_token_ids, logprobs or repeat(None),
+                ends or repeat(None)):
             if request.status is not _RUNNING:
-                continue  # aborted while the step ran
-            computed = request.num_computed_tokens + num_new
-            request.num_computed_tokens = computed
-            if computed % block_size < num_new and cache_blocks is not None:
-                cache_blocks(request, computed)  # the step filled a block: into the prefix cache
+                continue  # finished, aborted or preempted while the step ran
+            if end is None:
+                end = request.num_computed_tokens + num_new
+                request.num_computed_tokens = end
+            if end % block_size < num_new and cache_blocks is not None:
+                cache_blocks(request, end)  # the step filled a block: into the prefix cache
             tokens = request.all_token_ids
-            if computed != len(tokens):
+            num_tokens = len(tokens)
+            if end < num_tokens and tokens[end] != PLACEHOLDER_TOKEN_ID:
                 if sampled:
                     raise ValueError(f"request {request.request_id!r} sampled a token mid-prompt")
-                continue
+                continue  # a prefill chunk short of the prompt's end
             if request.whole_records or len(sampled) != 1:
                 # A first token (n > 1: the fork), logprobs, a sample's record: kept whole.
-                finished |= self._take_sampled(request, sampled, new_logprobs, outputs)
+                finished |= self._take_sampled(request, sampled, new_logprobs, outputs, end)
                 continue
             token = sampled[0]
-            tokens.append(token)
-            if token in request.stop_token_set or len(tokens) >= request.max_num_tokens:
-                reason, stop_reason = check_stop(request, token, max_model_len)
+            if end < num_tokens:
+                tokens[end] = token
+            else:
+                tokens.append(token)
+            if token in request.stop_token_set or end + 1 >= request.max_num_tokens:
+                reason, stop_reason = check_stop(request, token, max_model_len, end + 1)
                 if reason is not None:
                     self._finish(request, reason, stop_reason, self._finished_req_ids)
                     finished = True
@@ -137,60 +144,10 @@ class SchedulerUpdate:
         outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
         return outputs
 
-    def _update_async(self, scheduler_output: SchedulerOutput,
-                      model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-        """update_from_output under asynchronous scheduling: schedule() already counted the
-        step's tokens as computed (`ends`: where each request's tokens ended) and put a
-        placeholder where a sampled token goes; this puts the token there (or appends it, where
-        no placeholder was made) and checks stops on the tokens that are real."""
-        outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
-        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
-            raise ValueError("update_from_output must answer the oldest step in flight")
-        _, scheduled, ends = self._in_flight.popleft()
-        self._held_back.clear()  # what schedule() preempted meanwhile has had its answer now
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        sampled_token_ids, logprobs = _in_scheduled_order(num_scheduled, model_runner_output)
-        cache_blocks = self._cache_blocks
-        block_size = self.config.block_size
-        max_model_len = self.config.max_model_len
-        ids_append, tokens_append = outputs.req_ids.append, outputs.new_token_ids.append
-        finished = False
-        for request, num_new, end, sampled, new_logprobs in zip(
-                scheduled, num_scheduled.values(), ends, sampled_token_ids, logprobs or repeat(None)):
-            if request.status is not _RUNNING:
-                continue  # finished, aborted or preempted while the step ran
-            if end % block_size < num_new and cache_blocks is not None:
-                cache_blocks(request, end)  # the step filled a block: into the prefix cache
-            if not sampled:
-                continue  # a prefill chunk short of the prompt's end
-            tokens = request.all_token_ids
-            if end < len(tokens) and tokens[end] != PLACEHOLDER_TOKEN_ID:
-                raise ValueError(f"request {request.request_id!r} sampled a token mid-prompt")
-            if request.whole_records or len(sampled) != 1:
-                finished |= self._take_sampled(request, sampled, new_logprobs, outputs, end)
-                continue
-            token = sampled[0]
-            if end < len(tokens):
-                tokens[end] = token
-            else:
-                tokens.append(token)
-            if token in request.stop_token_set or end + 1 >= request.max_num_tokens:
-                reason, stop_reason = check_stop(request, token, max_model_len, end + 1)
-                if reason is not None:
-                    self._finish(request, reason, stop_reason, self._finished_req_ids)
-                    finished = True
-                    outputs.append(self._output(request, sampled, None))
-                    continue
-            ids_append(request.request_id)
-            tokens_append(sampled)
-        if finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
-        return outputs
-
     def _take_sampled(self, request: Request, sampled: list[int], logprobs: list[Logprobs] | None,
-                      outputs: EngineCoreOutputs, position: int | None = None) -> bool:
-        """update_from_output for a request whose record is kept whole. Returns whether it
-        finished. `position`: where the token goes (asynchronous scheduling; default: appended)."""
+                      outputs: EngineCoreOutputs, position: int) -> bool:
+        """update_from_output for a request whose record is kept whole; its token goes to
+        `position` (appended, or in a placeholder's place). Returns whether it finished."""
         params = request.sampling_params
         if params.n > 1 and not request.num_output_tokens:
             self._fork(request, sampled, logprobs, outputs)
@@ -201,13 +158,12 @@ class SchedulerUpdate:
                              f"got {len(sampled)}")
         token = sampled[0]
         tokens = request.all_token_ids
-        if position is None or position == len(tokens):
+        if position == len(tokens):
             tokens.append(token)
         else:
             tokens[position] = token
         request.whole_records = request.sample_index != 0 or params.logprobs is not None
-        reason, stop_reason = check_stop(request, token, self.config.max_model_len,
-                                         None if position is None else position + 1)
+        reason, stop_reason = check_stop(request, token, self.config.max_model_len, position + 1)
         if reason is not None:
             self._finish(request, reason, stop_reason, self._finished_req_ids)
         outputs.append(self._output(request, [token], logprobs))
