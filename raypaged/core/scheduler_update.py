@@ -114,7 +114,7 @@ class SchedulerUpdate:
             else:
                 tokens.append(token)
             if token in request.stop_token_set or end + 1 >= request.max_num_tokens:
-                reason, stop_reason = check_stop(request, token, max_model_len, end + 1)
+                reason, stop_reason = check_stop(request, token, max_model_len)
                 if reason is not None:
                     self._finish(request, reason, stop_reason, self._finished_req_ids)
                     finished = True
@@ -163,7 +163,7 @@ class SchedulerUpdate:
         else:
             tokens[position] = token
         request.whole_records = request.sample_index != 0 or params.logprobs is not None
-        reason, stop_reason = check_stop(request, token, self.config.max_model_len, position + 1)
+        reason, stop_reason = check_stop(request, token, self.config.max_model_len)
         if reason is not None:
             self._finish(request, reason, stop_reason, self._finished_req_ids)
         outputs.append(self._output(request, [token], logprobs))

@@ -36,32 +36,25 @@ def _shared_set(stop_ids: tuple[int, ...]) -> frozenset[int]:
     return frozenset(stop_ids)
 
 
-def check_stop(request: Request, token: int, max_model_len: int,
-               num_tokens: int | None = None) -> tuple[FinishReason | None, int | None]:
-    """After `token` was added as the request's num_tokens-th token (default: all its tokens;
-    with asynchronous scheduling a placeholder for the next one may follow it): does the
-    request stop, and why."""
+def check_stop(request: Request, token: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
+    """After `token` was added: does the request stop, and why. (With asynchronous scheduling a
+    placeholder for its next token may follow it; Request.num_output_tokens does not count it.)"""
     params = request.sampling_params
-    if num_tokens is None:
-        num_tokens = len(request.all_token_ids)
-    num_outputs = num_tokens - len(request.prompt_token_ids)
     if token == request.eos_token_id or token in params.stop_token_ids:
-        reason, stop_reason = stop_on_token(request, token, num_outputs)
+        reason, stop_reason = stop_on_token(request, token)
         if reason is not None:
             return reason, stop_reason
-    if num_outputs >= params.max_tokens or num_tokens >= max_model_len:
+    num_outputs = request.num_output_tokens
+    if num_outputs >= params.max_tokens or request.num_prompt_tokens + num_outputs >= max_model_len:
         return _LENGTH, None
     return None, None
 
 
-def stop_on_token(request: Request, token: int,
-                  num_outputs: int | None = None) -> tuple[FinishReason | None, int | None]:
+def stop_on_token(request: Request, token: int) -> tuple[FinishReason | None, int | None]:
     """`token` is EOS or a stop id: it stops the request unless min_tokens are not out yet (or it
     is EOS and EOS is ignored). EOS reports no stop_reason; a stop id reports itself."""
     params = request.sampling_params
-    if num_outputs is None:
-        num_outputs = request.num_output_tokens
-    if num_outputs < params.min_tokens:
+    if request.num_output_tokens < params.min_tokens:
         return None, None
     if token == request.eos_token_id and not params.ignore_eos:
         return _STOP, None
