@@ -88,21 +88,17 @@ class Stepper:
 
     def __init__(self, scheduler: Scheduler, worker: ShadowWorker) -> None:
         self.scheduler, self.worker = scheduler, worker
-        self.in_flight = None
 
     def step(self):
         scheduler = self.scheduler
+        answered = scheduler.oldest_in_flight()
         out = scheduler.schedule()
         answer = self.worker.execute(out)
         if not scheduler.config.async_scheduling:
             return scheduler.update_from_output(out, answer)
-        answered, self.in_flight = self.in_flight, (out if out.total_num_scheduled_tokens else None)
         if answered is None:
             return scheduler.take_pending_outputs()
         return scheduler.update_from_output(answered, answer)
-
-    def busy(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
 
 def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
@@ -137,7 +133,7 @@ def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
             log.add(scheduler.abort_requests(ids[op[1] % len(ids)]))
             check_invariants(scheduler, worker)
     for _ in range(2000):
-        if not stepper.busy():
+        if not scheduler.has_unfinished_requests():
             break
         step()
     check_pool_whole(scheduler)
@@ -188,7 +184,7 @@ def run_to_completion(config: SchedulerConfig, ops) -> dict[str, tuple]:
             log.add(stepper.step())
             log.note(scheduler)
     for _ in range(2000):
-        if not stepper.busy():
+        if not scheduler.has_unfinished_requests():
             break
         log.add(stepper.step())
         log.note(scheduler)

@@ -102,7 +102,12 @@ class Scheduler(SchedulerUpdate):
         self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or (asynchronous scheduling) a step still to be answered."""
+        return bool(self.requests) or bool(self._in_flight)
+
+    def oldest_in_flight(self) -> SchedulerOutput | None:
+        """Asynchronous scheduling: the step the next update_from_output answers, if any."""
+        return self._in_flight[0][0] if self._in_flight else None
 
     @property
     def num_running(self) -> int:

@@ -17,7 +17,7 @@ import time
 from raypaged.config import EngineConfig
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, UnknownRequestError
-from raypaged.core.outputs import EngineCoreOutputs, SchedulerOutput
+from raypaged.core.outputs import EngineCoreOutputs
 from raypaged.core.request import Request
 from raypaged.core.scheduler import Scheduler
 from raypaged.core.scheduler_config import SchedulerConfig
@@ -90,8 +90,6 @@ class EngineCore:
             async_scheduling=config.async_scheduling,
         ), kv_cache_manager=self._contiguous_manager() if config.kv_cache_mode == "contiguous" else None)
         self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
-        # Asynchronous scheduling: the step the workers run now, answered by the next execute.
-        self._in_flight: SchedulerOutput | None = None
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
         self._queued_since: dict[str, float] = {}
@@ -140,29 +138,28 @@ class EngineCore:
                     self._pending_outputs.append(out)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
-                or self._in_flight is not None)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update. With asynchronous scheduling the update is the previous
         step's: the workers answer each step on the next call, having started this one."""
         with self._lock:
             outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
-            if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            if not self.scheduler.has_unfinished_requests():
                 if self._queued_since:
                     self._attach_queue_times(outputs)
                 return outputs
+            # Asynchronous scheduling: the workers answer the step before this one (none for
+            # the first step in flight).
+            answered = self.scheduler.oldest_in_flight() if self.config.async_scheduling else None
             scheduler_output = self.scheduler.schedule()
+            if not self.config.async_scheduling:
+                answered = scheduler_output
             if self._queued_since:
                 self._note_first_scheduled(scheduler_output.scheduled_new_reqs)
-        answered = scheduler_output
-        if self.config.async_scheduling:
-            answered, self._in_flight = self._in_flight, (
-                scheduler_output if scheduler_output.total_num_scheduled_tokens else None)
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except WorkerGroupError as e:
-            self._in_flight = None
             outputs.extend(self._recover(f"the model workers failed: {e}"))
         else:
             self._consecutive_failures = 0
