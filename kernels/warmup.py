@@ -4,7 +4,7 @@ Triton compiles a kernel per combination of its compile-time parameters on first
 the H200 costs around a second each. Decode's split count (a power of two chosen from the batch
 and the longest context) is one, and the prefill kernel's source of new keys/values is another;
 a server meeting them one by one under load stalls every running request meanwhile (the first
-serving rate measured on the H200 queued up to 52 requests behind such stalls). The engine runs
+serving rate measured on the H200 queued up to 52 requests behind such stalls). The worker runs
 this once at start-up, on the real KV pool of one layer, with the step's shapes reduced to
 a few tokens. What it compiles lands in Triton's disk cache too.
 """
@@ -31,11 +31,11 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
     scale = head_dim ** -0.5
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     splits = 1
     while splits <= MAX_NUM_SPLITS:
-        q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
-        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
         paged_decode_triton(q, k_cache, v_cache, table, seq_lens, scale, num_splits=splits)
         splits *= 2
     for num_tokens in _PREFILL_TOKENS:

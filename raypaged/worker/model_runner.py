@@ -272,7 +272,7 @@ class ModelRunner:
         if logits is None:  # prefill chunks only: nothing to sample
             if not sync:
                 self.in_flight.keep([], torch.empty(0, dtype=torch.int64), result, None)
-            return result if self.is_driver else None
+            return result
         if not self.is_driver:  # async: its placeholders need the tokens rank 0 samples
             token_ids = torch.empty(len(row_states), dtype=torch.int64, device=self.device)
             self.in_flight.keep(row_states, tp_broadcast(token_ids), None, None)
