@@ -335,6 +335,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--sections", default="decode,prefill,head_major",
                         help="which measurements to run (all by default)")
+    parser.add_argument("--decode-cases", default=",".join(f"{b}x{c}" for b, c in DECODE_CASES),
+                        help="decode (batch)x(context) points, e.g. 1x1024,8x1024")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("needs a CUDA device")
@@ -351,7 +353,8 @@ def main() -> int:
     json_path = args.out / f"{stem}.json"
 
     result["decode"], result["prefill"], result["errors"] = [], [], []
-    sections = [("decode", (b, ctx)) for b, ctx in DECODE_CASES]
+    decode_cases = [tuple(int(v) for v in case.split("x")) for case in args.decode_cases.split(",")]
+    sections = [("decode", case) for case in decode_cases]
     sections += [("prefill", tokens) for tokens in PREFILL_TOKENS] + [("head_major", None)]
     sections = [(kind, point) for kind, point in sections if kind in args.sections.split(",")]
     for kind, point in sections:

@@ -1,0 +1,139 @@
+"""The small-batch linears of a decode step: Triton skinny GEMM (kernels/gemv.py) against
+cuBLAS (F.linear), on the 8B's weight shapes, on a GPU.
+
+    python benchmarks/bench_gemv.py [--rows 1,2,4,8,16] [--tune-rows 1,8] [--out DIR]
+
+Checks each kernel config against F.linear first, then times: every call a CUDA-graph replay (as
+a decode step runs them), rotating over enough copies of the weight that they are >= 4x L2.
+Achieved bandwidth = (weight + input + output bytes) / time, against a device-to-device copy in
+the same run. At --tune-rows it sweeps block sizes, warps and stages per shape and records every
+timing; at --rows it times the best config found (and the current default) against cuBLAS.
+Writes gemv_<device>.json under --out; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import L2_BYTES, copy_bandwidth, environment, graph_time, log  # noqa: E402
+from common import SHAPES  # noqa: E402
+
+from raypaged.kernels.gemv import default_config, gemv_triton  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each linear of one layer, and the LM head, at tp = 1."""
+    s = SHAPES[shape]
+    h, i = s["hidden_size"], s["intermediate_size"]
+    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
+    return {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i),
+            "lm_head": (s["vocab_size"], h)}
+
+
+class Case:
+    def __init__(self, out_features: int, in_features: int, rows: int) -> None:
+        weight_bytes = out_features * in_features * DTYPE.itemsize
+        self.variants = max(1, math.ceil(4 * L2_BYTES / weight_bytes))
+        self.weights = [torch.randn(out_features, in_features, dtype=DTYPE, device="cuda") * 0.02
+                        for _ in range(self.variants)]
+        self.x = torch.randn(self.variants, rows, in_features, dtype=DTYPE, device="cuda")
+        self.bytes = weight_bytes + rows * (in_features + out_features) * DTYPE.itemsize
+
+    def max_error(self, **config) -> float:
+        """Largest |triton - fp32 product| over the bf16 rounding of cuBLAS's own result."""
+        exact = self.x[0].float() @ self.weights[0].float().t()
+        ours = (gemv_triton(self.x[0], self.weights[0], **config).float() - exact).abs().max()
+        cublas = (F.linear(self.x[0], self.weights[0]).float() - exact).abs().max()
+        return (ours / cublas.clamp_min(1e-6)).item()
+
+    def time(self, fn) -> float:
+        return graph_time(lambda i: fn(self.x[i], self.weights[i]), self.variants, calls=24,
+                          replays=15)
+
+
+def sweep(case: Case, rows: int) -> list[dict]:
+    configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=True)
+               for bn, bk, w, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))]
+    if rows == 1:
+        configs += [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=False)
+                    for bn, bk, w, st in itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 5))]
+    results = []
+    for config in configs:
+        try:
+            error = case.max_error(**config)
+            if error > 2.0:
+                raise AssertionError(f"error {error:.2f}x cuBLAS's rounding")
+            seconds = case.time(lambda x, w: gemv_triton(x, w, **config))
+            results.append({"config": config, "seconds": seconds, "TBps": case.bytes / seconds / 1e12})
+        except Exception as exc:  # a config that fails to compile or to fit is recorded, not fatal
+            results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--tune-rows", default="1,8")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        log("needs a CUDA device")
+        return 2
+    torch.manual_seed(0)
+    result = {"env": environment(), "shape": args.shape, "copy_TBps": copy_bandwidth() / 1e12,
+              "sweeps": {}, "rows": []}
+    log(result["env"], f"copy {result['copy_TBps']:.3f} TB/s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("gemv_" + result["env"]["device"].split()[-1].lower() + ".json")
+    tune_rows = [int(r) for r in args.tune_rows.split(",") if r]
+    for name, (n, k) in weight_shapes(args.shape).items():
+        best: dict[int, dict] = {}
+        for rows in tune_rows:
+            case = Case(n, k, rows)
+            runs = sweep(case, rows)
+            result["sweeps"][f"{name}/{rows}"] = runs
+            timed = [r for r in runs if "seconds" in r]
+            if timed:
+                best[rows] = min(timed, key=lambda r: r["seconds"])["config"]
+                log(f"{name} rows {rows}: best {best[rows]} {case.bytes / min(r['seconds'] for r in timed) / 1e12:.2f} TB/s")
+            del case
+        for rows in [int(r) for r in args.rows.split(",")]:
+            case = Case(n, k, rows)
+            cublas = case.time(F.linear)
+            row = {"linear": name, "out": n, "in": k, "rows": rows, "cublas_s": cublas,
+                   "cublas_TBps": case.bytes / cublas / 1e12}
+            nearest = min(best, key=lambda r: abs(r - rows)) if best else None
+            for label, config in [("default", default_config(rows, n, k)),
+                                  ("tuned", best.get(nearest))]:
+                if config is None or (rows > 1 and not config["use_dot"]):
+                    continue
+                seconds = case.time(lambda x, w: gemv_triton(x, w, **config))
+                row[f"{label}_config"] = config
+                row[f"{label}_s"] = seconds
+                row[f"{label}_TBps"] = case.bytes / seconds / 1e12
+                row[f"{label}_vs_cublas"] = cublas / seconds
+            result["rows"].append(row)
+            log(f"{name:8s} rows {rows:2d}: cuBLAS {row['cublas_TBps']:.2f} TB/s, default "
+                f"{row.get('default_TBps', 0):.2f}, tuned {row.get('tuned_TBps', 0):.2f} TB/s")
+            del case
+            torch.cuda.empty_cache()
+        path.write_text(json.dumps(result, indent=1))  # progress survives a later crash
+    path.write_text(json.dumps(result, indent=1))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Triton skinny GEMM (GEMV-shaped): y = x Wᵀ (+ b) for a few rows of x.
+
+A decode step of a few requests multiplies a handful of activation rows by every weight of the
+model once, so its linears are bound by reading the weights. On the H200 cuBLAS runs the 8B's
+smaller ones (qkv, o) at ~3.1 TB/s at batch 1 and splits the down projection's K with an extra
+reduction kernel (benchmarks/results/gpu_idle_8b_h200.json), against 4.2 TB/s of copy bandwidth.
+
+One program owns BLOCK_N output features for every row: it streams its [BLOCK_N, K] strip of W
+(row-major, contiguous along K) in [BLOCK_N, BLOCK_K] tiles and multiplies each with the rows'
+[M, BLOCK_K] tile. Rows pad to 16 for the tensor cores (tl.dot's minimum); with one row a plain
+multiply-and-sum (CUDA cores) is the alternative (USE_DOT=False). No split-K: each output is
+summed by one program in a fixed order, so results do not depend on the launch or on timing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import dot, dot_mode
+
+# The widest row count this kernel serves; past it the weight tile is reused across enough rows
+# for cuBLAS's GEMMs to be the faster choice.
+MAX_ROWS = 16
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: loads need no mask
+    USE_DOT: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, M_PAD)
+    col_ok = cols < N
+    row_ok = rows < M
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+    acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            acc += dot(w, tl.trans(x), DOT_MODE)
+        else:  # M_PAD == 1
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[:, None]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+
+def default_config(rows: int, out_features: int, in_features: int) -> dict:
+    """Launch config for [rows, in] x [out, in]ᵀ. Placeholder values until the H200 sweep
+    (benchmarks/bench_gemv.py) picks them."""
+    return {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4, "use_dot": True}
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv_triton takes this product: 2-D, few rows, both contiguous along K."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1
+            and x.dtype == weight.dtype)
+
+
+def gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    use_dot: bool | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, for
+    M <= MAX_ROWS. The keyword arguments override the tuned launch config (benchmarks, tests)."""
+    if not supports(x, weight):
+        raise ValueError(f"gemv_triton takes x [M <= {MAX_ROWS}, K] and weight [N, K] of one dtype, "
+                         f"contiguous along K; got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    config = default_config(rows, out_features, in_features)
+    block_n = block_n or config["block_n"]
+    block_k = block_k or config["block_k"]
+    use_dot = config["use_dot"] if use_dot is None else use_dot
+    if rows > 1 and not use_dot:
+        raise ValueError("the multiply-and-sum path (use_dot=False) takes one row")
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        x, weight, bias if bias is not None else out, out,
+        rows, out_features, in_features,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        M_PAD=16 if use_dot else 1,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN=out_features % block_n == 0 and in_features % block_k == 0,
+        USE_DOT=use_dot,
+        DOT_MODE=dot_mode(x),
+        num_warps=num_warps or config["num_warps"],
+        num_stages=num_stages or config["num_stages"],
+    )
+    return out
