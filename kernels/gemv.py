@@ -14,6 +14,8 @@ summed by one program in a fixed order, so results do not depend on the launch o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -72,10 +74,23 @@ def _gemv_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
-def default_config(rows: int, out_features: int, in_features: int) -> dict:
-    """Launch config for [rows, in] x [out, in]ᵀ. Placeholder values until the H200 sweep
-    (benchmarks/bench_gemv.py) picks them."""
-    return {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4, "use_dot": True}
+def default_config(rows: int, out_features: int, in_features: int, element_size: int = 2,
+                   shared_memory: int = 227 * 1024) -> dict:
+    """Launch config for [rows, in] x [out, in]ᵀ, from the H200 sweep (bench_gemv.py,
+    benchmarks/results/gemv_h200.json, 0c32da4): 64 output features per program with 4 warps
+    were best on every 8B shape; 256-wide K tiles where there are few programs (out <= 4096:
+    o, down), 128-wide otherwise; as many pipeline stages as shared memory holds, up to 5."""
+    block_n = 64
+    block_k = 256 if out_features <= 4096 else 128
+    stage_bytes = (block_n + 16) * block_k * element_size  # the weight tile and the rows' tile
+    stages = max(2, min(5, (shared_memory - 8 * 1024) // stage_bytes))
+    return {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": stages,
+            "use_dot": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -104,7 +119,10 @@ def gemv_triton(
                          f"{tuple(weight.shape)} {weight.dtype}")
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    config = default_config(rows, out_features, in_features)
+    shared_memory = (_shared_memory(x.device.index if x.device.index is not None
+                                    else torch.cuda.current_device())
+                     if x.is_cuda else 227 * 1024)
+    config = default_config(rows, out_features, in_features, x.element_size(), shared_memory)
     block_n = block_n or config["block_n"]
     block_k = block_k or config["block_k"]
     use_dot = config["use_dot"] if use_dot is None else use_dot

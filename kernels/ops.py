@@ -1,4 +1,5 @@
-"""The attention ops the model calls: one signature, two backends.
+"""The kernel-backed ops the model calls (attention, and the linears of small decode steps): one
+signature, two backends.
 
 "triton" runs the kernels in this package (on CUDA, or on CPU under TRITON_INTERPRET=1);
 "torch" runs the references (the CPU serving path). Choice, first match wins:
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from . import reference
 from .validation import output_for
@@ -42,6 +44,18 @@ def backend_for(tensor: torch.Tensor) -> str:
             raise ValueError(f"{ENV_VAR}={env!r}; expected one of {BACKENDS}")
         return env
     return "triton" if tensor.is_cuda else "torch"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x Wᵀ (+ b). A step of at most gemv.MAX_ROWS rows (a small decode batch) on the Triton
+    backend takes the skinny GEMM, which reads the weights closer to the bandwidth than cuBLAS
+    does at those shapes (benchmarks/bench_gemv.py); anything else is F.linear."""
+    if backend_for(x) == "triton":
+        from .gemv import gemv_triton, supports
+
+        if supports(x, weight):
+            return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def write_kv(

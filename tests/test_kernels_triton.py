@@ -132,7 +132,7 @@ def test_decode_reads_strided_queries_and_writes_strided_out():
 def test_split_heuristic_fills_the_card_and_respects_lengths():
     assert choose_num_splits(1, 8, 32768, 132) == 64  # few programs, long context: split a lot
     assert choose_num_splits(256, 8, 1024, 132) == 1  # 2048 programs already
-    assert choose_num_splits(1, 8, 300, 132) == 1  # too short to be worth a split
+    assert choose_num_splits(1, 8, 200, 132) == 1  # too short to be worth a split
     for args in [(8, 8, 8192, 132), (64, 8, 4096, 132), (3, 2, 100000, 4)]:
         n = choose_num_splits(*args)
         assert n & (n - 1) == 0 and 1 <= n <= 64

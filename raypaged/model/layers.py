@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raypaged.kernels import ops
+
 from .fused import add_rms_norm, rms_norm
 from .parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
@@ -107,7 +109,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
     def _shard(self, shard: object) -> OutputShard:
         return self.shards[0 if shard is None else shard]  # type: ignore[index]
@@ -203,8 +205,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight))
+            return ops.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(ops.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:
@@ -262,5 +264,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     pieces are gathered and the padding cut off."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight)
         return tp_all_gather(logits, dim=-1)[..., : self.vocab_size]
