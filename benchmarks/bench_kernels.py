@@ -33,6 +33,9 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 from raypaged.kernels.paged_decode import choose_num_splits, default_launch_config, paged_decode_triton
 from raypaged.kernels.paged_prefill import CUDA_DEFAULT as PREFILL_VARIANT
 from raypaged.kernels.paged_prefill import default_launch_config as prefill_launch_config
@@ -84,12 +87,8 @@ def graph_time(fn, variants: int, calls: int = 20, replays: int = 25) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy."""
-    src = torch.randn(2**29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") / 1e3
-    del src, dst
-    return 2 * 2**30 / seconds
+    """Bytes read + written per second by a 1 GiB device-to-device copy (common.copy_bandwidth)."""
+    return common.copy_bandwidth(torch.device("cuda"))
 
 
 class DecodeCase:
