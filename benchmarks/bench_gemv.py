@@ -79,10 +79,10 @@ class Case:
 
 def sweep(case: Case, rows: int) -> list[dict]:
     # The first sweep (0c32da4: 16-64 features x 128-512 K x 4/8 warps x 3/5 stages, and the
-    # one-row CUDA-core path) found 64 x 128-256, 4 warps, 5 stages best everywhere: this one
-    # adds split-K around that.
-    configs = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, use_dot=True, split_k=sk)
-               for bn, bk, st, sk in itertools.product((32, 64), (128, 256), (4, 5), (1, 2, 4, 8))]
+    # one-row CUDA-core path) found 64 x 128-256, 4 warps, 5 stages best everywhere; a second
+    # (be345d9) found split-K no faster at 2-8 splits. This one sweeps around the first's best.
+    configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=True)
+               for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]
     results = []
     for config in configs:
         try:
@@ -113,7 +113,6 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gemv_" + result["env"]["device"].split()[-1].lower() + ".json")
     tune_rows = [int(r) for r in args.tune_rows.split(",") if r]
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in weight_shapes(args.shape).items():
         silu_mul = name.endswith("_silu")
         best: dict[int, dict] = {}
@@ -132,7 +131,7 @@ def main() -> int:
             row = {"linear": name, "out": n, "in": k, "rows": rows, "cublas_s": cublas,
                    "cublas_TBps": case.bytes / cublas / 1e12}
             nearest = min(best, key=lambda r: abs(r - rows)) if best else None
-            for label, config in [("default", default_config(rows, n, k, sm_count=sm_count)),
+            for label, config in [("default", default_config(rows, n, k, silu_mul=silu_mul)),
                                   ("tuned", best.get(nearest))]:
                 if config is None or (rows > 1 and not config["use_dot"]):
                     continue
