@@ -24,6 +24,11 @@ SHAPES = {
     "8b-32k": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                    max_position_embeddings=32768, rope_theta=500000.0),
+    # Llama-3-70B's shape: 141 GB of bf16 weights, so one H200 cannot hold it (bench_tp.py
+    # skips that TP size); from TP=2 up, 70.6 GB or less per GPU.
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
                  max_position_embeddings=2048, rope_theta=10000.0),

@@ -82,6 +82,11 @@ class RayWorkerActor:
 
         return os.getpid()
 
+    def run_on_worker(self, fn, *args) -> Any:
+        """fn(worker, *args) in this rank's process: benchmarks probe a live rank (its process
+        group, model, device) without a method here for each probe."""
+        return fn(self.worker, *args)
+
 
 class RayExecutor:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
@@ -208,6 +213,12 @@ class RayExecutor:
                 ray.get(actor.pid.remote(), timeout=timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
+
+    def run_on_workers(self, fn, *args) -> list[Any]:
+        """fn(worker, *args) on every rank at once, so collectives inside it pair up across
+        ranks; results in rank order. Call it between engine steps, from the thread that steps: a
+        step's collectives and the probe's must not interleave."""
+        return self._call_all("run_on_worker", fn, *args)
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
