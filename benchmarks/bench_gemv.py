@@ -2,9 +2,6 @@
 cuBLAS (F.linear), on the 8B's weight shapes, on a GPU.
 
     python benchmarks/bench_gemv.py [--rows 1,2,4,8,16] [--tune-rows 1,8] [--out DIR]
-
-down_silu is the down projection with silu(gate) * up fused on its input, against the engine's
-unfused path (the silu_and_mul kernel, then cuBLAS).
 Checks each kernel config against F.linear first, then times: every call a CUDA-graph replay (as
 a decode step runs them), rotating over enough copies of the weight that they are >= 4x L2.
 Achieved bandwidth = (weight + input + output bytes) / time, against a device-to-device copy in
@@ -30,7 +27,6 @@ from bench_kernels import L2_BYTES, copy_bandwidth, environment, graph_time, log
 from common import SHAPES  # noqa: E402
 
 from raypaged.kernels.gemv import default_config, gemv_triton  # noqa: E402
-from raypaged.model.fused import silu_and_mul  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -41,35 +37,25 @@ def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
     h, i = s["hidden_size"], s["intermediate_size"]
     kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
     return {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i),
-            "down_silu": (h, i), "lm_head": (s["vocab_size"], h)}
+            "lm_head": (s["vocab_size"], h)}
 
 
 class Case:
-    """One linear at one row count. silu_mul: the input is (gate | up), as the down projection's
-    is; the baseline is then the engine's unfused path (silu_and_mul kernel, then cuBLAS)."""
+    """One linear at one row count."""
 
-    def __init__(self, out_features: int, in_features: int, rows: int, silu_mul: bool = False) -> None:
+    def __init__(self, out_features: int, in_features: int, rows: int) -> None:
         weight_bytes = out_features * in_features * DTYPE.itemsize
-        self.silu_mul = silu_mul
         self.variants = max(1, math.ceil(4 * L2_BYTES / weight_bytes))
         self.weights = [torch.randn(out_features, in_features, dtype=DTYPE, device="cuda") * 0.02
                         for _ in range(self.variants)]
-        width = in_features * (2 if silu_mul else 1)
-        self.x = torch.randn(self.variants, rows, width, dtype=DTYPE, device="cuda")
-        self.bytes = weight_bytes + rows * (width + out_features) * DTYPE.itemsize
-
-    def baseline(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(x) if self.silu_mul else x, weight)
-
-    def ours(self, x: torch.Tensor, weight: torch.Tensor, **config) -> torch.Tensor:
-        return gemv_triton(x, weight, silu_mul=self.silu_mul, **config)
+        self.x = torch.randn(self.variants, rows, in_features, dtype=DTYPE, device="cuda")
+        self.bytes = weight_bytes + rows * (in_features + out_features) * DTYPE.itemsize
 
     def max_error(self, **config) -> float:
         """Largest |triton - fp32 product| over the bf16 rounding of cuBLAS's own result."""
-        x = silu_and_mul(self.x[0]) if self.silu_mul else self.x[0]
-        exact = x.float() @ self.weights[0].float().t()
-        ours = (self.ours(self.x[0], self.weights[0], **config).float() - exact).abs().max()
-        cublas = (self.baseline(self.x[0], self.weights[0]).float() - exact).abs().max()
+        exact = self.x[0].float() @ self.weights[0].float().t()
+        ours = (gemv_triton(self.x[0], self.weights[0], **config).float() - exact).abs().max()
+        cublas = (F.linear(self.x[0], self.weights[0]).float() - exact).abs().max()
         return (ours / cublas.clamp_min(1e-6)).item()
 
     def time(self, fn) -> float:
@@ -80,7 +66,8 @@ class Case:
 def sweep(case: Case, rows: int) -> list[dict]:
     # The first sweep (0c32da4: 16-64 features x 128-512 K x 4/8 warps x 3/5 stages, and the
     # one-row CUDA-core path) found 64 x 128-256, 4 warps, 5 stages best everywhere; a second
-    # (be345d9) found split-K no faster at 2-8 splits. This one sweeps around the first's best.
+    # (be345d9) found split-K no faster at 2-8 splits; fusing silu(gate) * up on the input of
+    # the down projection halved its speed (1d0c41f). This one sweeps around the first's best.
     configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=True)
                for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]
     results = []
@@ -89,7 +76,7 @@ def sweep(case: Case, rows: int) -> list[dict]:
             error = case.max_error(**config)
             if error > 2.0:
                 raise AssertionError(f"error {error:.2f}x cuBLAS's rounding")
-            seconds = case.time(lambda x, w: case.ours(x, w, **config))
+            seconds = case.time(lambda x, w: gemv_triton(x, w, **config))
             results.append({"config": config, "seconds": seconds, "TBps": case.bytes / seconds / 1e12})
         except Exception as exc:  # a config that fails to compile or to fit is recorded, not fatal
             results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
@@ -114,10 +101,9 @@ def main() -> int:
     path = args.out / ("gemv_" + result["env"]["device"].split()[-1].lower() + ".json")
     tune_rows = [int(r) for r in args.tune_rows.split(",") if r]
     for name, (n, k) in weight_shapes(args.shape).items():
-        silu_mul = name.endswith("_silu")
         best: dict[int, dict] = {}
         for rows in tune_rows:
-            case = Case(n, k, rows, silu_mul)
+            case = Case(n, k, rows)
             runs = sweep(case, rows)
             result["sweeps"][f"{name}/{rows}"] = runs
             timed = [r for r in runs if "seconds" in r]
@@ -126,16 +112,16 @@ def main() -> int:
                 log(f"{name} rows {rows}: best {best[rows]} {case.bytes / min(r['seconds'] for r in timed) / 1e12:.2f} TB/s")
             del case
         for rows in [int(r) for r in args.rows.split(",")]:
-            case = Case(n, k, rows, silu_mul)
-            cublas = case.time(case.baseline)
+            case = Case(n, k, rows)
+            cublas = case.time(F.linear)
             row = {"linear": name, "out": n, "in": k, "rows": rows, "cublas_s": cublas,
                    "cublas_TBps": case.bytes / cublas / 1e12}
             nearest = min(best, key=lambda r: abs(r - rows)) if best else None
-            for label, config in [("default", default_config(rows, n, k, silu_mul=silu_mul)),
+            for label, config in [("default", default_config(rows, n, k)),
                                   ("tuned", best.get(nearest))]:
                 if config is None or (rows > 1 and not config["use_dot"]):
                     continue
-                seconds = case.time(lambda x, w: case.ours(x, w, **config))
+                seconds = case.time(lambda x, w: gemv_triton(x, w, **config))
                 row[f"{label}_config"] = config
                 row[f"{label}_s"] = seconds
                 row[f"{label}_TBps"] = case.bytes / seconds / 1e12

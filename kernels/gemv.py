@@ -14,8 +14,8 @@ added by the last split to arrive) was built and measured on the H200 at be345d9
 any split count (qkv 3.45 TB/s unsplit vs 3.21 / 2.95 / 2.69 at 2 / 4 / 8 splits, o and down
 within 1%), so the occupancy of those weights is not what holds them back; it was taken out.
 
-SILU_MUL: x is [M, 2K] (gate | up) and the product takes silu(gate) * up, rounded as
-model/fused.py's silu_and_mul rounds it, without that kernel or its output in memory.
+Fusing SwiGLU's silu(gate) * up into the down projection's input load was measured too (1d0c41f):
+1.9 TB/s against 3.4 for the separate kernel and cuBLAS, so it is not done.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: loads need no mask
     USE_DOT: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,11 +69,6 @@ def _gemv_kernel(
             x_mask = row_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SILU_MUL:
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
-            activated = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
-            x = (activated * up.to(tl.float32)).to(x.dtype)
         if USE_DOT:
             acc += dot(w, tl.trans(x), DOT_MODE)
         else:  # M_PAD == 1
@@ -88,16 +82,18 @@ def _gemv_kernel(
 
 
 def default_config(rows: int, out_features: int, in_features: int, element_size: int = 2,
-                   shared_memory: int = 227 * 1024, silu_mul: bool = False) -> dict:
+                   shared_memory: int = 227 * 1024) -> dict:
     """Launch config for [rows, in] x [out, in]ᵀ, from the H200 sweeps (bench_gemv.py,
     benchmarks/results/gemv_h200.json): 64 output features per program with 4 warps were best on
     every 8B shape; 256-wide K tiles where there are few programs (out <= 4096: o, down),
     128-wide otherwise; as many pipeline stages as shared memory holds, up to 5."""
     block_n = 64
     block_k = 256 if out_features <= 4096 else 128
-    # A stage holds the weight tile and the rows' tile (two of them: gate and up, with silu_mul).
-    stage_bytes = (block_n + 16 * (2 if silu_mul else 1)) * block_k * element_size
-    stages = max(2, min(5, (shared_memory - 8 * 1024) // stage_bytes))
+    budget = shared_memory - 8 * 1024
+    while block_k > 32 and 2 * (block_n + 16) * block_k * element_size > budget:
+        block_k //= 2  # fp32 on a card with less shared memory: two stages must fit
+    stage_bytes = (block_n + 16) * block_k * element_size  # the weight tile and the rows' tile
+    stages = max(2, min(5, budget // stage_bytes))
     return {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": stages,
             "use_dot": True}
 
@@ -107,11 +103,10 @@ def _shared_memory(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-    """Whether gemv_triton takes this product: 2-D, few rows, both contiguous along K, x as wide
-    as the weight (twice as wide with silu_mul)."""
-    width = weight.shape[1] * (2 if silu_mul else 1) if weight.dim() == 2 else -1
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == width
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv_triton takes this product: 2-D, few rows, both contiguous along K."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
+            and x.shape[1] == weight.shape[1]
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype)
 
 
@@ -120,7 +115,6 @@ def gemv_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    silu_mul: bool = False,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -128,19 +122,17 @@ def gemv_triton(
     use_dot: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, for
-    M <= MAX_ROWS. silu_mul: x is [M, 2K] (gate | up) and the product takes silu(gate) * up.
-    The other keyword arguments override the tuned launch config (benchmarks, tests)."""
-    if not supports(x, weight, silu_mul):
-        raise ValueError(f"gemv_triton takes x [M <= {MAX_ROWS}, {'2K' if silu_mul else 'K'}] and "
-                         f"weight [N, K] of one dtype, contiguous along K; got {tuple(x.shape)} "
-                         f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    M <= MAX_ROWS. The keyword arguments override the tuned launch config (benchmarks, tests)."""
+    if not supports(x, weight):
+        raise ValueError(f"gemv_triton takes x [M <= {MAX_ROWS}, K] and weight [N, K] of one dtype, "
+                         f"contiguous along K; got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     rows = x.shape[0]
     out_features, in_features = weight.shape
     shared_memory = (_shared_memory(x.device.index if x.device.index is not None
                                     else torch.cuda.current_device())
                      if x.is_cuda else 227 * 1024)
-    config = default_config(rows, out_features, in_features, x.element_size(), shared_memory,
-                            silu_mul)
+    config = default_config(rows, out_features, in_features, x.element_size(), shared_memory)
     block_n = block_n or config["block_n"]
     block_k = block_k or config["block_k"]
     use_dot = config["use_dot"] if use_dot is None else use_dot
@@ -157,7 +149,6 @@ def gemv_triton(
         BLOCK_K=block_k,
         EVEN=out_features % block_n == 0 and in_features % block_k == 0,
         USE_DOT=use_dot,
-        SILU_MUL=silu_mul,
         DOT_MODE=dot_mode(x),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],

@@ -46,28 +46,15 @@ def backend_for(tensor: torch.Tensor) -> str:
     return "triton" if tensor.is_cuda else "torch"
 
 
-def skinny_gemm_takes(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-    """Whether `linear` runs x Wᵀ as the Triton skinny GEMM: the Triton backend and at most
-    gemv.MAX_ROWS rows (a small decode step). silu_mul: x as (gate | up), fused."""
-    if backend_for(x) != "triton":
-        return False
-    from .gemv import supports
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x Wᵀ (+ b). A step of at most gemv.MAX_ROWS rows (a small decode batch) on the Triton
+    backend takes the skinny GEMM, which reads the weights closer to the bandwidth than cuBLAS
+    does at those shapes (benchmarks/bench_gemv.py); anything else is F.linear."""
+    if backend_for(x) == "triton":
+        from .gemv import gemv_triton, supports
 
-    return supports(x, weight, silu_mul)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           silu_mul: bool = False) -> torch.Tensor:
-    """x Wᵀ (+ b). Where `skinny_gemm_takes` it, the Triton skinny GEMM, which reads the weights
-    closer to the bandwidth than cuBLAS does at those shapes (benchmarks/bench_gemv.py); anything
-    else is F.linear. silu_mul (x is gate | up, the product takes silu(gate) * up) only exists
-    fused into the skinny GEMM: check skinny_gemm_takes first."""
-    if skinny_gemm_takes(x, weight, silu_mul):
-        from .gemv import gemv_triton
-
-        return gemv_triton(x, weight, bias, silu_mul=silu_mul)
-    if silu_mul:
-        raise ValueError("silu_mul is fused by the skinny GEMM only; it does not take this product")
+        if supports(x, weight):
+            return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

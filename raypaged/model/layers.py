@@ -203,12 +203,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.cols), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul: x is (gate | up) and the product takes silu(gate) * up, fused into the skinny
-        GEMM (ops.skinny_gemm_takes must hold)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return ops.linear(x, self.weight, self.bias, silu_mul=silu_mul)
-        out = tp_all_reduce(ops.linear(x, self.weight, silu_mul=silu_mul))
+            return ops.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(ops.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:

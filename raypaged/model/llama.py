@@ -15,8 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raypaged.kernels import ops
-
 from .attention import AttentionMetadata, PagedAttention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .fused import silu_and_mul
@@ -75,12 +73,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # A small decode step's down projection takes the activation on its input: one kernel
-        # and no [T, I] intermediate in memory.
-        if ops.skinny_gemm_takes(gate_up, self.down_proj.weight, silu_mul=True):
-            return self.down_proj(gate_up, silu_mul=True)
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
