@@ -236,7 +236,7 @@ def measure(run: dict, args, model_dir: Path, tp: int, dtype_name: str, vocab: i
         for batch in batch_sizes:
             # "cpu": the driver runs nothing on a GPU, and a device sync would only open a CUDA
             # context beside rank 0's.
-            step_ms = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab,
+            step_ms, _ = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab,
                                      torch.device("cpu"))
             row = {"batch": batch, "context": args.context, "step_ms": step_ms}
             run["decode"].append(row)
