@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                           ("--probe-iters", 20), ("--profile-steps", 0)]:
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--scheduling", choices=["sync", "async"], default="async")
+    parser.add_argument("--dtype", default=None,
+                        help="weights' dtype (default bfloat16 on CUDA, float32 on CPU); float32 "
+                             "on the GPU makes greedy tokens comparable across TP sizes")
     parser.add_argument("--piecewise-cuda-graph", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--require-identical", action="store_true",
@@ -283,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     device, dtype_name, vocab, batch_sizes = decode_setup(args.shape, args.batch_sizes)
+    dtype_name = args.dtype or dtype_name
     if device.type == "cuda" and any(os.environ[k] != v for k, v in MULTICAST_OFF.items()):
         print(f"refusing to run: NVLink multicast must stay off ({MULTICAST_OFF})")
         return 2
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                     if device.type != "cuda" or "greedy" in run:
                         break
             compare(result)
-            path = write_json(f"tp_{args.shape}_{device_tag}", result, args.out)
+            path = write_json(f"tp_{args.shape}_{device_tag}" + ("" if args.dtype is None else f"_{args.dtype}"), result, args.out)
     report(result)
     save_plot(result, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
