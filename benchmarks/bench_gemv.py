@@ -63,12 +63,12 @@ class Case:
                           replays=15)
 
 
-def sweep(case: Case, rows: int) -> list[dict]:
-    # The first sweep (0c32da4: 16-64 features x 128-512 K x 4/8 warps x 3/5 stages, and the
-    # one-row CUDA-core path) found 64 x 128-256, 4 warps, 5 stages best everywhere; a second
-    # (be345d9) found split-K no faster at 2-8 splits; fusing silu(gate) * up on the input of
-    # the down projection halved its speed (1d0c41f). This one sweeps around the first's best.
-    configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=True)
+def sweep(case: Case) -> list[dict]:
+    # The first sweep (0c32da4: 16-64 features x 128-512 K x 4/8 warps x 3/5 stages, and a
+    # one-row CUDA-core path since removed) found 64 x 128-256, 4 warps, 5 stages best
+    # everywhere; a second (be345d9) found split-K no faster at 2-8 splits; fusing silu(gate) * up
+    # on the down projection's input halved its speed (1d0c41f). This one sweeps around the best.
+    configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
                for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]
     results = []
     for config in configs:
@@ -104,7 +104,7 @@ def main() -> int:
         best: dict[int, dict] = {}
         for rows in tune_rows:
             case = Case(n, k, rows)
-            runs = sweep(case, rows)
+            runs = sweep(case)
             result["sweeps"][f"{name}/{rows}"] = runs
             timed = [r for r in runs if "seconds" in r]
             if timed:
@@ -119,7 +119,7 @@ def main() -> int:
             nearest = min(best, key=lambda r: abs(r - rows)) if best else None
             for label, config in [("default", default_config(rows, n, k)),
                                   ("tuned", best.get(nearest))]:
-                if config is None or (rows > 1 and not config["use_dot"]):
+                if config is None:
                     continue
                 seconds = case.time(lambda x, w: gemv_triton(x, w, **config))
                 row[f"{label}_config"] = config

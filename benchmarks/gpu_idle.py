@@ -4,13 +4,12 @@ between engine steps, with asynchronous scheduling off and on.
     python benchmarks/gpu_idle.py                                     # CPU: plumbing only
     python benchmarks/gpu_idle.py --shape 8b --batch-sizes 1,64        # the H200 question
 
-The decode step of issue 8 is 1.38x / 1.27x the byte floor at batch 1 / 64 with async scheduling
-(benchmarks/README.md). That is either kernels slower than the floor (busy ≈ wall) or the GPU
-waiting between steps (busy < wall): this tells which, and lists the kernels by time. Steps are
-traced with torch.profiler after the batch is decoding; busy = the sum of the CUDA kernels' and
-copies' durations in the traced steps (kernels do not overlap within one stream). Written
-after the last device run of its session: not yet run on the GPU (if busy reads 0 there, the
-profiler's events were not parsed as expected: it says so).
+A decode step's distance from the byte floor (issue 8) is either kernels slower than the floor
+(busy ≈ wall) or the GPU waiting between steps (busy < wall): this tells which, and lists the
+kernels by time. Steps are traced with torch.profiler after the batch is decoding; busy = the sum
+of the CUDA kernels' and copies' durations in the traced steps (kernels do not overlap within one
+stream; if busy reads 0, the profiler's events were not parsed as expected: it says so). On the
+H200 at 2aa12b5 async scheduling left the GPU busy 97-98% of a step (benchmarks/README.md).
 Writes benchmarks/results/gpu_idle_<shape>_<device>.json.
 """
 

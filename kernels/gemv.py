@@ -7,9 +7,10 @@ smaller ones (qkv, o) at ~3.1 / 2.5 TB/s at batch 1 and the down projection at 3
 
 One program owns BLOCK_N output features for every row: it streams its [BLOCK_N, K] strip of W
 (row-major, contiguous along K) in [BLOCK_N, BLOCK_K] tiles and multiplies each with the rows'
-[M, BLOCK_K] tile. Rows pad to 16 for the tensor cores (tl.dot's minimum); with one row a plain
-multiply-and-sum (CUDA cores) is the alternative (USE_DOT=False). Each output is summed by one
-program in a fixed order. Split-K (more programs for the narrow o / qkv / down weights, partials
+[M, BLOCK_K] tile. Rows pad to 16 for the tensor cores (tl.dot's minimum): with one row that
+still beat a multiply-and-sum on the CUDA cores on every 8B shape (qkv 3.38 vs 2.87 TB/s, down
+3.84 vs 2.82; results/gemv_h200_sweep.json). Each output is summed by one program in a fixed
+order. Split-K (more programs for the narrow o / qkv / down weights, partials
 added by the last split to arrive) was built and measured on the H200 at be345d9: no faster at
 any split count (qkv 3.45 TB/s unsplit vs 3.21 / 2.95 / 2.69 at 2 / 4 / 8 splits, o and down
 within 1%), so the occupancy of those weights is not what holds them back; it was taken out.
@@ -28,8 +29,8 @@ import triton.language as tl
 
 from .triton_common import dot, dot_mode
 
-# The widest row count this kernel serves; past it the weight tile is reused across enough rows
-# for cuBLAS's GEMMs to be the faster choice.
+# The widest row count this kernel serves: measured faster than cuBLAS from 1 to 16 rows on the
+# H200; wider steps (where the weight tile is reused across more rows) stay with cuBLAS.
 MAX_ROWS = 16
 
 
@@ -50,7 +51,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: loads need no mask
-    USE_DOT: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,10 +69,7 @@ def _gemv_kernel(
             x_mask = row_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if USE_DOT:
-            acc += dot(w, tl.trans(x), DOT_MODE)
-        else:  # M_PAD == 1
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[:, None]
+        acc += dot(w, tl.trans(x), DOT_MODE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -94,8 +91,7 @@ def default_config(rows: int, out_features: int, in_features: int, element_size:
         block_k //= 2  # fp32 on a card with less shared memory: two stages must fit
     stage_bytes = (block_n + 16) * block_k * element_size  # the weight tile and the rows' tile
     stages = max(2, min(5, budget // stage_bytes))
-    return {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": stages,
-            "use_dot": True}
+    return {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": stages}
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,7 +115,6 @@ def gemv_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, for
     M <= MAX_ROWS. The keyword arguments override the tuned launch config (benchmarks, tests)."""
@@ -135,20 +130,16 @@ def gemv_triton(
     config = default_config(rows, out_features, in_features, x.element_size(), shared_memory)
     block_n = block_n or config["block_n"]
     block_k = block_k or config["block_k"]
-    use_dot = config["use_dot"] if use_dot is None else use_dot
-    if rows > 1 and not use_dot:
-        raise ValueError("the multiply-and-sum path (use_dot=False) takes one row")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(out_features, block_n),)](
         x, weight, bias if bias is not None else out, out,
         rows, out_features, in_features,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
-        M_PAD=16 if use_dot else 1,
+        M_PAD=16,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN=out_features % block_n == 0 and in_features % block_k == 0,
-        USE_DOT=use_dot,
         DOT_MODE=dot_mode(x),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],

@@ -45,10 +45,8 @@ def test_even_shapes_and_bias(bias):
     check(2, 128, 256, torch.float32, bias=bias, block_n=32, block_k=128)
 
 
-def test_one_row_without_tensor_cores():
-    check(1, 100, 300, torch.float32, bias=True, block_n=16, block_k=128, use_dot=False)
-    with pytest.raises(ValueError, match="one row"):
-        gemv_triton(torch.zeros(2, 64), torch.zeros(32, 64), use_dot=False)
+def test_one_row_odd_shape_with_bias():
+    check(1, 100, 300, torch.float32, bias=True, block_n=16, block_k=128)
 
 
 def test_default_config():
