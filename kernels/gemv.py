@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, wait_for_inputs
 from .triton_common import dot, dot_mode
 
 # The widest row count this kernel serves: measured faster than cuBLAS from 1 to 16 rows on the
@@ -52,7 +53,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: loads need no mask
     DOT_MODE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
     col_ok = cols < N
@@ -143,5 +146,6 @@ def gemv_triton(
         DOT_MODE=dot_mode(x),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
+        **pdl_launch(x),
     )
     return out

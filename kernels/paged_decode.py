@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, wait_for_inputs
 from .triton_common import LOG2_E, dot, dot_mode, num_sms
 from .validation import check_decode_inputs, output_for
 
@@ -51,7 +52,9 @@ def _decode_split_kernel(
     TILE_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     DOT_MODE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,7 +127,9 @@ def _decode_merge_kernel(
     DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
@@ -263,6 +268,7 @@ def paged_decode_triton(
         DOT_MODE=dot_mode(q),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
+        **pdl_launch(q),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
@@ -277,5 +283,6 @@ def paged_decode_triton(
             TILE_N=tile_n,
             MAX_SPLITS=num_splits,
             num_warps=4 if dim_pad * num_splits >= 2048 else 2,
+            **pdl_launch(q),
         )
     return out

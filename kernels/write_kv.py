@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, wait_for_inputs
 from .validation import check_write_inputs
 
 
@@ -29,7 +30,9 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # -1 marks a padding token. Out-of-pool slots are the caller's bug; checking them on the host
@@ -81,4 +84,5 @@ def write_kv_triton(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **pdl_launch(key),
     )

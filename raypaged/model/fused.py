@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from raypaged.kernels.pdl import pdl_launch, wait_for_inputs
+
 _force_triton = False
 
 
@@ -44,8 +46,9 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_residual, stride_out, stride_residual_out,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -78,7 +81,7 @@ def _rms_norm_triton(
             (residual_out if residual_out is not None else out).stride(0),
             cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=min(16, max(1, block // 256)), **pdl_launch(x),
         )  # fmt: skip
     return out, residual_out
 
@@ -107,8 +110,9 @@ def add_rms_norm(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    gate_up_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr
+    gate_up_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -129,7 +133,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(cols))
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block, num_warps=4
+            gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block, num_warps=4,
+            **pdl_launch(gate_up),
         )
     return out
 
@@ -141,8 +146,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rope_kernel(
     q_ptr, k_ptr, positions_ptr, inv_freq_ptr,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head,
-    num_q_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    num_q_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < num_q_heads:
@@ -174,4 +180,5 @@ def rope_in_place(
             query, key, positions, inv_freq,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
             num_q_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1,
+            **pdl_launch(query),
         )  # fmt: skip

@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step. Off by default.
+
+A decode step at batch 1 is ~350 small kernels back to back (an 8B model on the H200: the GPU
+busy 95% of the step, benchmarks/README.md), and each boundary costs the next kernel's launch
+and ramp while the previous one drains. With PDL (Hopper and later) a kernel may be launched
+while its predecessor still runs: its programs start, wait at `wait_for_inputs` until the
+predecessor has finished and its writes are visible, and meanwhile the launch work is done. Every
+kernel launched this way calls `wait_for_inputs` before it touches memory (inputs or outputs: in a
+CUDA graph an output buffer may be one the predecessor still reads), so the order of effects is
+the stream's, as without PDL.
+
+RAYPAGED_PDL=1 turns it on where the device and Triton support it. Not yet measured on a GPU (the
+session that wrote it had no device time left): `scripts/gpu_pdl.sh` runs the GPU tests with it
+and times the engine's decode step with it off and on in one call; the default follows that.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_VAR = "RAYPAGED_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _enabled(device_index: int) -> bool:
+    if os.environ.get(ENV_VAR) != "1":
+        return False
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return major >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def pdl_launch(x: torch.Tensor) -> dict:
+    """Keyword arguments for launching a kernel that calls `wait_for_inputs(USE_PDL)`, on x's
+    device: USE_PDL, and launch_pdl where it is on."""
+    if x.is_cuda and _enabled(x.device.index if x.device.index is not None
+                              else torch.cuda.current_device()):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def wait_for_inputs(USE_PDL: tl.constexpr):
+    """The first thing a kernel does: with PDL, wait until the previous kernel in the stream has
+    finished (its writes visible), then let the next one launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,81 @@
+"""Programmatic dependent launch (kernels/pdl.py): off unless asked for, and on a GPU that has it,
+the kernels of a decode step give the same results launched either way.
+
+The interpreter cannot run the PDL instructions, so on CPU only the switch is checked; the `gpu`
+test compares the kernels with it on and off (scripts/gpu_pdl.sh runs the engine's GPU tests
+with RAYPAGED_PDL=1 too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raypaged.kernels import pdl
+from raypaged.kernels.gemv import gemv_triton
+from raypaged.kernels.paged_decode import paged_decode_triton
+from raypaged.kernels.testing import random_paged_batch
+from raypaged.model.fused import add_rms_norm, rope_in_place, silu_and_mul
+
+
+@pytest.fixture
+def pdl_env(monkeypatch):
+    def set_to(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(pdl.ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(pdl.ENV_VAR, value)
+        pdl._enabled.cache_clear()
+
+    yield set_to
+    pdl._enabled.cache_clear()
+
+
+def test_off_unless_asked_for_and_never_on_cpu(pdl_env):
+    x = torch.zeros(1)
+    pdl_env(None)
+    assert pdl.pdl_launch(x) == {"USE_PDL": False}
+    pdl_env("1")
+    assert pdl.pdl_launch(x) == {"USE_PDL": False}  # the interpreter has no PDL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper-class GPU")
+def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env):
+    gen = torch.Generator().manual_seed(0)
+    dtype, dev = torch.bfloat16, "cuda"
+    batch = random_paged_batch([300, 1000], 8, 128, 16, dtype, dev, generator=gen)
+    hidden = torch.randn(2, 4096, generator=gen).to(dtype).to(dev)
+    residual = torch.randn(2, 4096, generator=gen).to(dtype).to(dev)
+    norm_weight = torch.rand(4096, generator=gen).to(dtype).to(dev)
+    weight = (torch.randn(6144, 4096, generator=gen) * 0.02).to(dtype).to(dev)
+    up = (torch.randn(2 * 1024, 4096, generator=gen) * 0.02).to(dtype).to(dev)
+    positions = torch.tensor([299, 999], device=dev)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 128, 2, device=dev).float() / 128))
+
+    def step() -> list[torch.Tensor]:
+        normed, summed = add_rms_norm(hidden, residual, norm_weight, 1e-5)
+        qkv = gemv_triton(normed, weight)
+        q, k = qkv[:, :4096].reshape(2, 32, 128), qkv[:, 4096:5120].reshape(2, 8, 128)
+        rope_in_place(q, k, positions, inv_freq)
+        attn = paged_decode_triton(q.contiguous(), batch.k_cache, batch.v_cache, batch.block_tables,
+                                   batch.seq_lens, 1 / math.sqrt(128), max_seq_len=1024)
+        return [summed, attn, silu_and_mul(gemv_triton(attn.reshape(2, 4096), up))]
+
+    results = {}
+    for setting in ("0", "1"):
+        pdl_env(setting)
+        assert pdl.pdl_launch(hidden)["USE_PDL"] == (setting == "1")
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[setting] = [t.clone() for t in outputs]
+    for off, on in zip(results["0"], results["1"]):
+        assert torch.equal(off, on)
