@@ -70,6 +70,11 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--scheduling", default="sync,async")
+    # The engine as bench_engine.py's GPU runs build it (its step time is the figure compared):
+    # their max_num_seqs is the largest of the batch sizes and the throughput batch.
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="default: the largest batch size")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -79,7 +84,9 @@ def main() -> int:
         model_dir = write_config(args.shape, dtype_name, Path(tmp))
         for scheduling in args.scheduling.split(","):
             llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
-                      max_model_len=args.context + args.steps + 64, max_num_seqs=max(batch_sizes),
+                      max_model_len=args.context + args.steps + 64,
+                      max_num_seqs=args.max_num_seqs or max(batch_sizes),
+                      max_num_batched_tokens=args.max_num_batched_tokens,
                       gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
                       async_scheduling=scheduling == "async")
             for batch in batch_sizes:

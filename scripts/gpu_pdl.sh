@@ -21,4 +21,4 @@ for pdl in 0 1; do
         | quiet | grep "decode step\|copy bandwidth"
 done
 RAYPAGED_PDL=1 timeout 60 python3 benchmarks/gpu_idle.py --shape 8b --batch-sizes 1,64 --context 1024 \
-    --scheduling async --out "$OUT_DIR/pdl1" 2>&1 | quiet | grep -v "^{\|warn"
+    --scheduling async --max-num-seqs 64 --max-num-batched-tokens 8192 --out "$OUT_DIR/pdl1" 2>&1 | quiet | grep -v "^{\|warn"
