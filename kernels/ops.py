@@ -50,8 +50,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x Wᵀ (+ b). A step of at most gemv.MAX_ROWS rows (a small decode batch) on the Triton
     backend takes the skinny GEMM, which reads the weights closer to the bandwidth than cuBLAS
     does at those shapes (benchmarks/bench_gemv.py); anything else is F.linear."""
-    # fp32 on a GPU stays with cuBLAS: the kernel's IEEE fp32 tl.dot made an 8B decode step
-    # 61 ms against bf16's 4.7 (499ce26). The interpreter takes fp32, so CPU tests cover it.
+    # fp32 on a GPU stays with cuBLAS: an 8B fp32 decode step through the kernel took 61 ms where
+    # reading its 32 GB of weights takes ~8 (499ce26; an IEEE fp32 tl.dot has no tensor-core
+    # path). The interpreter takes fp32, so the CPU tests still run the kernel in the model.
     if backend_for(x) == "triton" and not (x.is_cuda and x.dtype == torch.float32):
         from .gemv import gemv_triton, supports
 
