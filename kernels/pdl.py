@@ -26,12 +26,21 @@ import triton.language as tl
 ENV_VAR = "RAYPAGED_PDL"
 
 
+def _triton_has_pdl() -> bool:
+    """Triton >= 3.3 or so: the launch option and the in-kernel wait."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+
+
 @functools.lru_cache(maxsize=None)
 def _enabled(device_index: int) -> bool:
     if os.environ.get(ENV_VAR) != "1":
         return False
     major, _ = torch.cuda.get_device_capability(device_index)
-    return major >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+    return major >= 9 and _triton_has_pdl()
 
 
 def pdl_launch(x: torch.Tensor) -> dict:

@@ -33,6 +33,11 @@ def pdl_env(monkeypatch):
     pdl._enabled.cache_clear()
 
 
+def test_this_triton_has_the_launch_option_and_the_wait():
+    # CI's Triton; the GPU machine's (3.6) is checked by the gpu test, which needs it on.
+    assert pdl._triton_has_pdl()
+
+
 def test_off_unless_asked_for_and_never_on_cpu(pdl_env):
     x = torch.zeros(1)
     pdl_env(None)
@@ -66,6 +71,7 @@ def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env):
         return [summed, attn, silu_and_mul(gemv_triton(attn.reshape(2, 4096), up))]
 
     results = {}
+    assert pdl._triton_has_pdl()
     for setting in ("0", "1"):
         pdl_env(setting)
         assert pdl.pdl_launch(hidden)["USE_PDL"] == (setting == "1")
