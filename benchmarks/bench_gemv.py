@@ -1,7 +1,7 @@
 """The small-batch linears of a decode step: Triton skinny GEMM (kernels/gemv.py) against
 cuBLAS (F.linear), on the 8B's weight shapes, on a GPU.
 
-    python benchmarks/bench_gemv.py [--rows 1,2,4,8,16] [--tune-rows 1,8] [--out DIR]
+    python benchmarks/bench_gemv.py [--rows 1,2,4,8,16] [--tune-rows 1,8] [--tp 2] [--out DIR]
 Checks each kernel config against F.linear first, then times: every call a CUDA-graph replay (as
 a decode step runs them), rotating over enough copies of the weight that they are >= 4x L2.
 Achieved bandwidth = (weight + input + output bytes) / time, against a device-to-device copy in
@@ -31,13 +31,16 @@ from raypaged.kernels.gemv import default_config, gemv_triton  # noqa: E402
 DTYPE = torch.bfloat16
 
 
-def weight_shapes(shape: str) -> dict[str, tuple[int, int]]:
-    """(out, in) features of each linear of one layer, and the LM head, at tp = 1."""
+def weight_shapes(shape: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(out, in) features of one rank's share of each linear of a layer, and of the LM head:
+    column-parallel ones (qkv, gate/up, LM head) split their outputs over the tp ranks,
+    row-parallel ones (o, down) their inputs (KV heads replicate below one a rank)."""
     s = SHAPES[shape]
     h, i = s["hidden_size"], s["intermediate_size"]
-    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
-    return {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i),
-            "lm_head": (s["vocab_size"], h)}
+    head_dim = h // s["num_attention_heads"]
+    kv = max(1, s["num_key_value_heads"] // tp) * head_dim
+    return {"qkv": (h // tp + 2 * kv, h), "o": (h, h // tp), "gate_up": (2 * i // tp, h),
+            "down": (h, i // tp), "lm_head": (-(-s["vocab_size"] // tp), h)}
 
 
 class Case:
@@ -88,19 +91,22 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--tune-rows", default="1,8")
+    parser.add_argument("--tp", type=int, default=1, help="one rank's share of each weight")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("needs a CUDA device")
         return 2
     torch.manual_seed(0)
-    result = {"env": environment(), "shape": args.shape, "copy_TBps": copy_bandwidth() / 1e12,
+    result = {"env": environment(), "shape": args.shape, "tp": args.tp,
+              "copy_TBps": copy_bandwidth() / 1e12,
               "sweeps": {}, "rows": []}
     log(result["env"], f"copy {result['copy_TBps']:.3f} TB/s")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("gemv_" + result["env"]["device"].split()[-1].lower() + ".json")
+    path = args.out / ("gemv_" + result["env"]["device"].split()[-1].lower()
+                       + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
     tune_rows = [int(r) for r in args.tune_rows.split(",") if r]
-    for name, (n, k) in weight_shapes(args.shape).items():
+    for name, (n, k) in weight_shapes(args.shape, args.tp).items():
         best: dict[int, dict] = {}
         for rows in tune_rows:
             case = Case(n, k, rows)
