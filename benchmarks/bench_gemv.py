@@ -7,7 +7,7 @@ a decode step runs them), rotating over enough copies of the weight that they ar
 Achieved bandwidth = (weight + input + output bytes) / time, against a device-to-device copy in
 the same run. At --tune-rows it sweeps block sizes, warps and stages per shape and records every
 timing; at --rows it times the best config found (and the current default) against cuBLAS.
-Writes gemv_<device>.json under --out; prints a table last.
+Writes gemv_<device>.json and a PNG under --out; `--replot JSON` redraws a saved run's PNG.
 """
 
 from __future__ import annotations
@@ -86,6 +86,36 @@ def sweep(case: Case) -> list[dict]:
     return results
 
 
+def plot(result: dict, path: Path) -> None:
+    """Bandwidth of each linear, cuBLAS beside the skinny GEMM at each row count, and the copy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["linear"] for r in result["rows"]))
+    row_counts = sorted({r["rows"] for r in result["rows"]})
+    by_key = {(r["linear"], r["rows"]): r for r in result["rows"]}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / (2 * len(row_counts))
+    for j, rows in enumerate(row_counts):
+        for k, (column, label, color) in enumerate([("cublas_TBps", "cuBLAS", "tab:gray"),
+                                                    ("default_TBps", "skinny GEMM", "tab:blue")]):
+            xs = [i + (2 * j + k) * width for i in range(len(names))]
+            ys = [by_key.get((n, rows), {}).get(column, 0) for n in names]
+            ax.bar(xs, ys, width, color=color, alpha=0.4 + 0.6 * (j + 1) / len(row_counts),
+                   label=f"{label}, {rows} rows")
+    ax.axhline(result["copy_TBps"], color="k", linestyle="--", label="copy, same run")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_ylabel("TB/s (weight + input + output bytes / time)")
+    ax.set_title(f"{result['shape']} linears, tp {result.get('tp', 1)}, "
+                 f"{result['env']['device']} ({str(result['env']['commit'])[:7]})")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -93,7 +123,12 @@ def main() -> int:
     parser.add_argument("--tune-rows", default="1,8")
     parser.add_argument("--tp", type=int, default=1, help="one rank's share of each weight")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="only redraw the PNG of a saved JSON (no GPU needed)")
     args = parser.parse_args()
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
     if not torch.cuda.is_available():
         log("needs a CUDA device")
         return 2
@@ -139,7 +174,8 @@ def main() -> int:
             torch.cuda.empty_cache()
         path.write_text(json.dumps(result, indent=1))  # progress survives a later crash
     path.write_text(json.dumps(result, indent=1))
-    log(f"wrote {path}")
+    plot(result, path.with_suffix(".png"))
+    log(f"wrote {path} and {path.with_suffix('.png').name}")
     return 0
 
 
