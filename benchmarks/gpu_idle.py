@@ -10,12 +10,14 @@ kernels by time. Steps are traced with torch.profiler after the batch is decodin
 of the CUDA kernels' and copies' durations in the traced steps (kernels do not overlap within one
 stream; if busy reads 0, the profiler's events were not parsed as expected: it says so). On the
 H200 at 2aa12b5 async scheduling left the GPU busy 97-98% of a step (benchmarks/README.md).
-Writes benchmarks/results/gpu_idle_<shape>_<device>.json.
+Writes benchmarks/results/gpu_idle_<shape>_<device>.json and .png; `--replot JSON` redraws a
+saved run's PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -63,6 +65,54 @@ def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
             "top_kernels_ms": [(name[:90], total / steps / 1e3) for name, total in top]}
 
 
+def kernel_family(name: str) -> str:
+    """A kernel's name as the plot groups it."""
+    for key, family in [("nvjet", "cuBLAS GEMM"), ("gemv", "skinny GEMM"), ("Kernel2", "cuBLAS GEMM"),
+                        ("splitKreduce", "cuBLAS GEMM"), ("decode", "attention"),
+                        ("rms_norm", "RMSNorm"), ("rope", "rope"), ("silu", "SwiGLU"),
+                        ("write_kv", "KV write")]:
+        if key in name:
+            return family
+    return "other"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Per case, the GPU's time a step by kernel family (of the top kernels; the rest of the busy
+    time as "other kernels"), then the idle time up to the wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(result["runs"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    families = ["cuBLAS GEMM", "skinny GEMM", "attention", "RMSNorm", "rope", "SwiGLU", "KV write",
+                "other", "other kernels", "idle"]
+    colors = dict(zip(families, plt.get_cmap("tab10").colors))
+    bottoms = [0.0] * len(cases)
+    for family in families:
+        heights = []
+        for case in cases:
+            run = result["runs"][case]
+            top = [(kernel_family(n), ms) for n, ms in run["top_kernels_ms"]]
+            if family == "other kernels":
+                heights.append(run["busy_ms"] - sum(ms for _, ms in top))
+            elif family == "idle":
+                heights.append(max(0.0, run["wall_ms"] - run["busy_ms"]))
+            else:
+                heights.append(sum(ms for f, ms in top if f == family))
+        if any(h > 0 for h in heights):
+            ax.bar(cases, heights, bottom=bottoms, color=colors[family], label=family)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{result['args']['shape']}, context {result['args']['context']}: GPU time by "
+                 f"kernel, and idle ({str(result['env']['commit'])[:7]})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -76,7 +126,12 @@ def main() -> int:
                         help="default: the largest batch size")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="only redraw the PNG of a saved JSON (no GPU needed)")
     args = parser.parse_args()
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
 
     device, dtype_name, vocab, batch_sizes = decode_setup(args.shape, args.batch_sizes)
     result = {"env": environment(), "args": vars(args), "runs": {}}
@@ -101,7 +156,8 @@ def main() -> int:
             release_memory(device)
     device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
     path = write_json(f"gpu_idle_{args.shape}_{device_tag}", result, args.out)
-    print(f"wrote {path}")
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
     return 0
 
 
