@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (SHAPES, copy_bandwidth, environment, hf_random_model,  # noqa: E402
-                    release_memory, sync, write_config, write_json)
+from common import (SHAPES, copy_bandwidth, device_tag, environment,  # noqa: E402
+                    hf_random_model, release_memory, sync, write_config, write_json)
 
 from raypaged import LLM, SamplingParams  # noqa: E402
 
@@ -214,11 +214,12 @@ def main() -> int:
             for batch in batch_sizes:
                 step_ms, calls = decode_step_ms(llm, batch, args.context, args.decode_steps, vocab,
                                                 device)
+                call_median = statistics.median(calls)
                 rows.append({"executor": executor, "scheduling": scheduling, "batch": batch,
                              "context": args.context, "step_ms": step_ms,
-                             "call_ms_median": statistics.median(calls), "call_ms": calls})
+                             "call_ms_median": call_median, "call_ms": calls})
                 print(f"[{executor}, {scheduling}] decode B={batch}: {step_ms:.2f} ms/step "
-                      f"(one call's median {statistics.median(calls):.2f} ms)", flush=True)
+                      f"(one call's median {call_median:.2f} ms)", flush=True)
             if executor == "uni" or "raypaged" not in result:
                 # Throughput with the last in-process scheduling mode listed (async if asked).
                 result["raypaged"] = throughput(llm, args.throughput_batch, args.prompt_len,
@@ -258,8 +259,7 @@ def main() -> int:
         hf = result["hf_generate"]["output_tokens_per_s"]
         result["speedup_vs_hf"] = ours / hf
         print(f"| transformers generate, same requests | {hf:.0f} output tok/s ({ours / hf:.1f}x) |")
-    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    path = write_json(f"engine_{args.shape}_{device_tag}", result, args.out)
+    path = write_json(f"engine_{args.shape}_{device_tag()}", result, args.out)
     save_plot(rows, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
     return 0

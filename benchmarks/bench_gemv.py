@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import L2_BYTES, copy_bandwidth, environment, graph_time, log  # noqa: E402
-from common import SHAPES  # noqa: E402
+from common import SHAPES, add_replot_argument, device_tag, replot  # noqa: E402
 
 from raypaged.kernels.gemv import default_config, gemv_triton  # noqa: E402
 
@@ -123,12 +123,10 @@ def main() -> int:
     parser.add_argument("--tune-rows", default="1,8")
     parser.add_argument("--tp", type=int, default=1, help="one rank's share of each weight")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--replot", type=Path, default=None,
-                        help="only redraw the PNG of a saved JSON (no GPU needed)")
+    add_replot_argument(parser)
     args = parser.parse_args()
     if args.replot is not None:
-        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
-        return 0
+        return replot(args.replot, plot)
     if not torch.cuda.is_available():
         log("needs a CUDA device")
         return 2
@@ -138,8 +136,7 @@ def main() -> int:
               "sweeps": {}, "rows": []}
     log(result["env"], f"copy {result['copy_TBps']:.3f} TB/s")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("gemv_" + result["env"]["device"].split()[-1].lower()
-                       + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
+    path = args.out / (f"gemv_{device_tag()}" + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
     tune_rows = [int(r) for r in args.tune_rows.split(",") if r]
     for name, (n, k) in weight_shapes(args.shape, args.tp).items():
         best: dict[int, dict] = {}
@@ -158,7 +155,7 @@ def main() -> int:
             row = {"linear": name, "out": n, "in": k, "rows": rows, "cublas_s": cublas,
                    "cublas_TBps": case.bytes / cublas / 1e12}
             nearest = min(best, key=lambda r: abs(r - rows)) if best else None
-            for label, config in [("default", default_config(rows, n, k)),
+            for label, config in [("default", default_config(n, k)),
                                   ("tuned", best.get(nearest))]:
                 if config is None:
                     continue

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, environment, write_config, write_json  # noqa: E402
+from common import SHAPES, device_tag, environment, write_config, write_json  # noqa: E402
 from soak import LaunchedServer, scrape  # noqa: E402
 from bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests  # noqa: E402
 
@@ -497,12 +497,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.launch_args = [a for a in args.launch_args if a != "--"]
     args.max_total_len = args.max_total_len or None
     return args
-
-
-def device_tag() -> str:
-    import torch
-
-    return torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # noqa: E402
+from common import device_tag, environment, write_json  # noqa: E402
 
 
 
@@ -121,7 +121,7 @@ def main() -> int:
         print(f"batch {batch}: six pageable copies {row['pageable_us']:.0f} us, "
               f"staged {row['staged_us']:.0f} us", flush=True)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None  # the GPU machine's $OUT
-    name = "staging_" + torch.cuda.get_device_name().split()[-1].lower()
+    name = f"staging_{device_tag()}"
     print(f"wrote {write_json(name, result, out)}")
     return 0
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (SHAPES, environment, hf_random_model, release_memory, sync,  # noqa: E402
-                    write_config, write_json)
+from common import (SHAPES, device_tag, environment, hf_random_model, release_memory,  # noqa: E402
+                    sync, write_config, write_json)
 
 from raypaged import LLM, SamplingParams  # noqa: E402
 from raypaged.core.request import Request  # noqa: E402
@@ -353,8 +353,7 @@ def main() -> int:
     print(f"{len(requests)} requests: prompt {result['mean_prompt_len']:.0f}, output "
           f"{result['mean_output_len']:.0f} tokens on average, longest {result['max_total_len']}",
           flush=True)
-    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    name = f"throughput_{args.shape}_{device_tag}" + ("" if args.async_scheduling else "_sync")
+    name = f"throughput_{args.shape}_{device_tag()}" + ("" if args.async_scheduling else "_sync")
 
     def save() -> Path:  # after every phase: a run cut short still leaves what it measured
         add_ratios(result)

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import decode_step_ms, prompts, start_decoding, throughput  # noqa: E402
-from common import (SHAPES, decode_setup, environment, release_memory,  # noqa: E402
+from common import (SHAPES, decode_setup, device_tag, environment, release_memory,  # noqa: E402
                     write_config, write_json)
 
 from raypaged import LLM, SamplingParams  # noqa: E402
@@ -290,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and any(os.environ[k] != v for k, v in MULTICAST_OFF.items()):
         print(f"refusing to run: NVLink multicast must stay off ({MULTICAST_OFF})")
         return 2
-    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
     result = {"env": environment(), "shape": args.shape, "dtype": dtype_name, "args": vars(args),
               "driver_env": {k: os.environ[k] for k in MULTICAST_OFF}, "runs": {}}
     start_ray(device)
@@ -318,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                     if device.type != "cuda" or "greedy" in run:
                         break
             compare(result)
-            path = write_json(f"tp_{args.shape}_{device_tag}" + ("" if args.dtype is None else f"_{args.dtype}"), result, args.out)
+            path = write_json(f"tp_{args.shape}_{device_tag()}" + ("" if args.dtype is None else f"_{args.dtype}"), result, args.out)
     report(result)
     save_plot(result, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name}")

@@ -104,6 +104,22 @@ def environment() -> dict:
     }
 
 
+def device_tag() -> str:
+    """The GPU's short name for result files ("h200"), or "cpu"."""
+    return torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+
+
+def add_replot_argument(parser) -> None:
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="only redraw the PNG of a saved JSON (no GPU needed)")
+
+
+def replot(path: Path, plot) -> int:
+    """--replot: plot(the saved result, the PNG beside it)."""
+    plot(json.loads(path.read_text()), path.with_suffix(".png"))
+    return 0
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Device-to-device copy, bytes read + written per second (median of CUDA-event timings).
 

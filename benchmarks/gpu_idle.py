@@ -17,7 +17,6 @@ saved run's PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -29,8 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import start_decoding  # noqa: E402
-from common import (SHAPES, decode_setup, environment, release_memory, sync,  # noqa: E402
-                    write_config, write_json)
+from common import (SHAPES, add_replot_argument, decode_setup, device_tag, environment,  # noqa: E402
+                    release_memory, replot, sync, write_config, write_json)
 
 from raypaged import LLM, SamplingParams  # noqa: E402
 
@@ -126,12 +125,10 @@ def main() -> int:
                         help="default: the largest batch size")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--replot", type=Path, default=None,
-                        help="only redraw the PNG of a saved JSON (no GPU needed)")
+    add_replot_argument(parser)
     args = parser.parse_args()
     if args.replot is not None:
-        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
-        return 0
+        return replot(args.replot, plot)
 
     device, dtype_name, vocab, batch_sizes = decode_setup(args.shape, args.batch_sizes)
     result = {"env": environment(), "args": vars(args), "runs": {}}
@@ -154,8 +151,7 @@ def main() -> int:
             llm.shutdown()
             del llm
             release_memory(device)
-    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    path = write_json(f"gpu_idle_{args.shape}_{device_tag}", result, args.out)
+    path = write_json(f"gpu_idle_{args.shape}_{device_tag()}", result, args.out)
     plot(result, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
     return 0

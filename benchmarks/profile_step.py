@@ -29,11 +29,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import prompts, start_decoding  # noqa: E402
-from common import (SHAPES, decode_setup, environment, release_memory,  # noqa: E402
+from common import (SHAPES, decode_setup, device_tag, environment, release_memory,  # noqa: E402
                     write_config, write_json)
 
 from raypaged import LLM, SamplingParams  # noqa: E402
@@ -237,8 +235,7 @@ def main() -> int:
     for key in keys:
         print(f"| {key} | " + " | ".join(f"{result['phases_us'][c].get(key, float('nan')):.0f}"
                                          for c in columns) + " |")
-    device_tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
-    name = (f"profile_step_{args.shape}_{device_tag}" + ("_mixed" if args.mixed_prompt_len else "")
+    name = (f"profile_step_{args.shape}_{device_tag()}" + ("_mixed" if args.mixed_prompt_len else "")
             + ("_no_piecewise" if args.no_piecewise_cuda_graph else ""))
     print(f"wrote {write_json(name, result, args.out)}")
     return 0

@@ -21,14 +21,12 @@ Fusing SwiGLU's silu(gate) * up into the down projection's input load was measur
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, wait_for_inputs
-from .triton_common import dot, dot_mode
+from .triton_common import device_properties, dot, dot_mode
 
 # The widest row count this kernel serves: measured faster than cuBLAS from 1 to 16 rows on the
 # H200; wider steps (where the weight tile is reused across more rows) stay with cuBLAS.
@@ -81,9 +79,9 @@ def _gemv_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
-def default_config(rows: int, out_features: int, in_features: int, element_size: int = 2,
+def default_config(out_features: int, in_features: int, element_size: int = 2,
                    shared_memory: int = 227 * 1024) -> dict:
-    """Launch config for [rows, in] x [out, in]ᵀ, from the H200 sweeps (bench_gemv.py,
+    """Launch config for x [rows <= MAX_ROWS, in] x [out, in]ᵀ (the same at every row count), from the H200 sweeps (bench_gemv.py,
     benchmarks/results/gemv_h200.json): 64 output features per program with 4 warps were best on
     every 8B shape; 256-wide K tiles where there are few programs (out <= 4096: o, down),
     128-wide otherwise; as many pipeline stages as shared memory holds, up to 5."""
@@ -95,11 +93,6 @@ def default_config(rows: int, out_features: int, in_features: int, element_size:
     stage_bytes = (block_n + 16) * block_k * element_size  # the weight tile and the rows' tile
     stages = max(2, min(5, budget // stage_bytes))
     return {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": stages}
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -127,10 +120,8 @@ def gemv_triton(
                          f"{tuple(weight.shape)} {weight.dtype}")
     rows = x.shape[0]
     out_features, in_features = weight.shape
-    shared_memory = (_shared_memory(x.device.index if x.device.index is not None
-                                    else torch.cuda.current_device())
-                     if x.is_cuda else 227 * 1024)
-    config = default_config(rows, out_features, in_features, x.element_size(), shared_memory)
+    shared_memory = device_properties(x.device).shared_memory_per_block_optin if x.is_cuda else 227 * 1024
+    config = default_config(out_features, in_features, x.element_size(), shared_memory)
     block_n = block_n or config["block_n"]
     block_k = block_k or config["block_k"]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)

@@ -13,8 +13,6 @@ With one split, stage 1 writes the output directly and stage 2 is skipped.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import device_properties
+
 ENV_VAR = "RAYPAGED_PDL"
 
 
@@ -36,18 +38,16 @@ def _triton_has_pdl() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _enabled(device_index: int) -> bool:
+def _enabled(device: torch.device) -> bool:
     if os.environ.get(ENV_VAR) != "1":
         return False
-    major, _ = torch.cuda.get_device_capability(device_index)
-    return major >= 9 and _triton_has_pdl()
+    return device_properties(device).major >= 9 and _triton_has_pdl()
 
 
 def pdl_launch(x: torch.Tensor) -> dict:
     """Keyword arguments for launching a kernel that calls `wait_for_inputs(USE_PDL)`, on x's
     device: USE_PDL, and launch_pdl where it is on."""
-    if x.is_cuda and _enabled(x.device.index if x.device.index is not None
-                              else torch.cuda.current_device()):
+    if x.is_cuda and _enabled(x.device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 

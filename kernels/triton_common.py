@@ -37,12 +37,17 @@ def dot(a, b, MODE: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _properties(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
+
+
+def device_properties(device: torch.device):
+    """torch.cuda.get_device_properties of a CUDA `device` (index or current), asked once."""
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of `device`; a nominal 4 for the CPU interpreter."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return device_properties(device).multi_processor_count

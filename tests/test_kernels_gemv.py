@@ -54,7 +54,7 @@ def test_default_config():
     # The pipeline fits the shared memory it is given (an H200's, an A100's).
     for shared_memory in (227 * 1024, 163 * 1024):
         for element_size in (2, 4):
-            config = default_config(16, 4096, 14336, element_size, shared_memory)
+            config = default_config(4096, 14336, element_size, shared_memory)
             stage = (config["block_n"] + 16) * config["block_k"] * element_size
             assert config["num_stages"] * stage <= shared_memory - 8 * 1024
 
