@@ -155,7 +155,7 @@ def main() -> int:
             row = {"linear": name, "out": n, "in": k, "rows": rows, "cublas_s": cublas,
                    "cublas_TBps": case.bytes / cublas / 1e12}
             nearest = min(best, key=lambda r: abs(r - rows)) if best else None
-            for label, config in [("default", default_config(n, k)),
+            for label, config in [("default", default_config(n, k, rows=rows)),
                                   ("tuned", best.get(nearest))]:
                 if config is None:
                     continue

@@ -21,16 +21,21 @@ Fusing SwiGLU's silu(gate) * up into the down projection's input load was measur
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, wait_for_inputs
+from .pdl import pdl_launch, prefetch_to_l2, wait_for_inputs
 from .triton_common import device_properties, dot, dot_mode
 
 # The widest row count this kernel serves: measured faster than cuBLAS from 1 to 16 rows on the
 # H200; wider steps (where the weight tile is reused across more rows) stay with cuBLAS.
-MAX_ROWS = 16
+MAX_ROWS = int(os.environ.get("RAYPAGED_GEMV_MAX_ROWS", 16))  # EXPERIMENT: 32 / 64 under test
+# EXPERIMENT: with PDL, how many K columns of its weight strip a program asks into L2 before it
+# waits for the previous kernel (the weights never depend on it).
+PREFETCH_K = int(os.environ.get("RAYPAGED_GEMV_PREFETCH_K", 0))
 
 
 @triton.jit
@@ -51,10 +56,17 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: loads need no mask
     DOT_MODE: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    LINE: tl.constexpr,  # elements in a 128-byte line
     USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if USE_PDL and PREFETCH_K > 0:
+        # One address per 128-byte line of the first PREFETCH_K columns of this program's rows.
+        lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+        prefetch_to_l2(w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_wn
+                       + tl.minimum(lines, K - 1)[None, :])
+    wait_for_inputs(USE_PDL)
     rows = tl.arange(0, M_PAD)
     col_ok = cols < N
     row_ok = rows < M
@@ -79,8 +91,13 @@ def _gemv_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
+def padded_rows(rows: int) -> int:
+    """The row count the kernel's tiles take: tl.dot's minimum of 16, else the next power of 2."""
+    return max(16, triton.next_power_of_2(rows))
+
+
 def default_config(out_features: int, in_features: int, element_size: int = 2,
-                   shared_memory: int = 227 * 1024) -> dict:
+                   shared_memory: int = 227 * 1024, rows: int = 1) -> dict:
     """Launch config for x [rows <= MAX_ROWS, in] x [out, in]ᵀ (the same at every row count), from the H200 sweeps (bench_gemv.py,
     benchmarks/results/gemv_h200.json): 64 output features per program with 4 warps were best on
     every 8B shape; 256-wide K tiles where there are few programs (out <= 4096: o, down),
@@ -88,9 +105,10 @@ def default_config(out_features: int, in_features: int, element_size: int = 2,
     block_n = 64
     block_k = 256 if out_features <= 4096 else 128
     budget = shared_memory - 8 * 1024
-    while block_k > 32 and 2 * (block_n + 16) * block_k * element_size > budget:
+    m_pad = padded_rows(rows)
+    while block_k > 32 and 2 * (block_n + m_pad) * block_k * element_size > budget:
         block_k //= 2  # fp32 on a card with less shared memory: two stages must fit
-    stage_bytes = (block_n + 16) * block_k * element_size  # the weight tile and the rows' tile
+    stage_bytes = (block_n + m_pad) * block_k * element_size  # the weight tile and the rows' tile
     stages = max(2, min(5, budget // stage_bytes))
     return {"block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": stages}
 
@@ -121,7 +139,7 @@ def gemv_triton(
     rows = x.shape[0]
     out_features, in_features = weight.shape
     shared_memory = device_properties(x.device).shared_memory_per_block_optin if x.is_cuda else 227 * 1024
-    config = default_config(out_features, in_features, x.element_size(), shared_memory)
+    config = default_config(out_features, in_features, x.element_size(), shared_memory, rows)
     block_n = block_n or config["block_n"]
     block_k = block_k or config["block_k"]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
@@ -130,11 +148,13 @@ def gemv_triton(
         rows, out_features, in_features,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
-        M_PAD=16,
+        M_PAD=padded_rows(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN=out_features % block_n == 0 and in_features % block_k == 0,
         DOT_MODE=dot_mode(x),
+        PREFETCH_K=PREFETCH_K,
+        LINE=128 // weight.element_size(),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
         **pdl_launch(x),

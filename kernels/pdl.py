@@ -59,3 +59,11 @@ def wait_for_inputs(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(ptrs):
+    """Ask the lines at `ptrs` into L2 without waiting for them (PTX prefetch): before
+    `wait_for_inputs`, for data no earlier kernel writes, such as weights. GPU only."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
