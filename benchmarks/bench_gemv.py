@@ -52,6 +52,7 @@ class Case:
         self.weights = [torch.randn(out_features, in_features, dtype=DTYPE, device="cuda") * 0.02
                         for _ in range(self.variants)]
         self.x = torch.randn(self.variants, rows, in_features, dtype=DTYPE, device="cuda")
+        self.rows = rows
         self.bytes = weight_bytes + rows * (in_features + out_features) * DTYPE.itemsize
 
     def max_error(self, **config) -> float:
@@ -71,8 +72,12 @@ def sweep(case: Case) -> list[dict]:
     # one-row CUDA-core path since removed) found 64 x 128-256, 4 warps, 5 stages best
     # everywhere; a second (be345d9) found split-K no faster at 2-8 splits; fusing silu(gate) * up
     # on the down projection's input halved its speed (1d0c41f). This one sweeps around the best.
+    # Past 16 rows the rows' own tile grows with them, so wider weight tiles (more output features
+    # per program, to reuse it) and shorter K steps (to fit the stages) are swept instead.
+    grid = ((32, 64, 128), (128, 256), (4, 8), (3, 4, 5)) if case.rows <= 16 else \
+        ((64, 128, 256), (64, 128), (4, 8), (3, 4))
     configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-               for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]
+               for bn, bk, w, st in itertools.product(*grid)]
     results = []
     for config in configs:
         try:
