@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import L2_BYTES, copy_bandwidth, environment, graph_time, log  # noqa: E402
 from common import SHAPES, add_replot_argument, device_tag, replot  # noqa: E402
 
-from raypaged.kernels.gemv import default_config, gemv_triton  # noqa: E402
+from raypaged.kernels import gemv_table  # noqa: E402
+from raypaged.kernels.gemv import gemv_triton, padded_rows  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -52,7 +53,7 @@ class Case:
         self.weights = [torch.randn(out_features, in_features, dtype=DTYPE, device="cuda") * 0.02
                         for _ in range(self.variants)]
         self.x = torch.randn(self.variants, rows, in_features, dtype=DTYPE, device="cuda")
-        self.rows = rows
+        self.rows, self.out_features, self.in_features = rows, out_features, in_features
         self.bytes = weight_bytes + rows * (in_features + out_features) * DTYPE.itemsize
 
     def max_error(self, **config) -> float:
@@ -71,13 +72,19 @@ def sweep(case: Case) -> list[dict]:
     # The first sweep (0c32da4: 16-64 features x 128-512 K x 4/8 warps x 3/5 stages, and a
     # one-row CUDA-core path since removed) found 64 x 128-256, 4 warps, 5 stages best
     # everywhere; a second (be345d9) found split-K no faster at 2-8 splits; fusing silu(gate) * up
-    # on the down projection's input halved its speed (1d0c41f). This one sweeps around the best.
-    # Past 16 rows the rows' own tile grows with them, so wider weight tiles (more output features
-    # per program, to reuse it) and shorter K steps (to fit the stages) are swept instead.
-    grid = ((32, 64, 128), (128, 256), (4, 8), (3, 4, 5)) if case.rows <= 16 else \
-        ((64, 128, 256), (64, 128), (4, 8), (3, 4))
-    configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-               for bn, bk, w, st in itertools.product(*grid)]
+    # on the down projection's input halved its speed (1d0c41f). At up to 16 rows this one sweeps
+    # around the best. Past 16 rows the rows' own tile, re-read by every program, grows with them:
+    # wider weight tiles reuse it, and split-K gives the fewer programs of a narrow weight work.
+    if case.rows <= 16:
+        configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+                   for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]
+    else:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        configs = [dict(block_n=bn, block_k=128, num_warps=w, num_stages=st, split_k=split)
+                   for (bn, w), st, split in itertools.product(
+                       ((64, 4), (128, 4), (128, 8), (256, 8)), (3, 4), (1, 2, 4, 8))
+                   if split == 1 or -(-case.out_features // bn) * split <= 2 * sms]
+        configs.append(dict(block_n=64, block_k=64, num_warps=4, num_stages=3, split_k=1))
     results = []
     for config in configs:
         try:
@@ -89,6 +96,22 @@ def sweep(case: Case) -> list[dict]:
         except Exception as exc:  # a config that fails to compile or to fit is recorded, not fatal
             results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
     return results
+
+
+def table_entry(name: str, case: Case, runs: list[dict]) -> dict | None:
+    """The tuned-table entry (kernels/gemv_table.py) for a swept shape: the best config, and
+    whether it beat cuBLAS timed in the same run (by more than 1%, else cuBLAS keeps it)."""
+    timed = [r for r in runs if "seconds" in r]
+    if not timed:
+        return None
+    best = min(timed, key=lambda r: r["seconds"])
+    cublas = case.time(F.linear)
+    config = dict(best["config"])
+    config.setdefault("split_k", 1)
+    return {"linear": name, "dtype": str(DTYPE).removeprefix("torch."), "out": case.out_features,
+            "in": case.in_features, "rows": padded_rows(case.rows),
+            "backend": "triton" if best["seconds"] < 0.99 * cublas else "cublas", "config": config,
+            "triton_TBps": best["TBps"], "cublas_TBps": case.bytes / cublas / 1e12}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -128,6 +151,9 @@ def main() -> int:
     parser.add_argument("--tune-rows", default="1,8")
     parser.add_argument("--tp", type=int, default=1, help="one rank's share of each weight")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--table", type=Path, default=None,
+                        help="record the --tune-rows winners (kernel config or cuBLAS) in this "
+                             "tuned table, e.g. kernels/configs/gemv_nvidia_h200.json")
     add_replot_argument(parser)
     args = parser.parse_args()
     if args.replot is not None:
@@ -153,6 +179,11 @@ def main() -> int:
             if timed:
                 best[rows] = min(timed, key=lambda r: r["seconds"])["config"]
                 log(f"{name} rows {rows}: best {best[rows]} {case.bytes / min(r['seconds'] for r in timed) / 1e12:.2f} TB/s")
+            if args.table is not None and (entry := table_entry(name, case, runs)) is not None:
+                # Recorded at once, so that the timing below ("default") launches what it chose.
+                gemv_table.record(args.table, torch.cuda.get_device_name(), result["env"], [entry])
+                log(f"{name} rows {rows}: table -> {entry['backend']} ({entry['triton_TBps']:.2f} vs "
+                    f"cuBLAS {entry['cublas_TBps']:.2f} TB/s)")
             del case
         for rows in [int(r) for r in args.rows.split(",")]:
             case = Case(n, k, rows)
@@ -160,7 +191,8 @@ def main() -> int:
             row = {"linear": name, "out": n, "in": k, "rows": rows, "cublas_s": cublas,
                    "cublas_TBps": case.bytes / cublas / 1e12}
             nearest = min(best, key=lambda r: abs(r - rows)) if best else None
-            for label, config in [("default", default_config(n, k, rows=rows)),
+            # "default": what ops.linear launches (the tuned table's config, else default_config)
+            for label, config in [("default", {}),
                                   ("tuned", best.get(nearest))]:
                 if config is None:
                     continue

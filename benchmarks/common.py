@@ -100,7 +100,7 @@ def environment() -> dict:
         "triton": triton.__version__,
         "transformers": transformers.__version__,
         # Programmatic dependent launch of the Triton kernels (kernels/pdl.py), when asked for.
-        "raypaged_pdl": os.environ.get("RAYPAGED_PDL", "0"),
+        "raypaged_pdl": os.environ.get("RAYPAGED_PDL", "1"),
     }
 
 

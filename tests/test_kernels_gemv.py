@@ -8,10 +8,13 @@ twice the rounding error F.linear itself makes in that dtype.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from raypaged.kernels import gemv, gemv_table
 from raypaged.kernels.gemv import MAX_ROWS, default_config, gemv_triton, supports
 
 
@@ -54,9 +57,66 @@ def test_default_config():
     # The pipeline fits the shared memory it is given (an H200's, an A100's).
     for shared_memory in (227 * 1024, 163 * 1024):
         for element_size in (2, 4):
-            config = default_config(4096, 14336, element_size, shared_memory)
-            stage = (config["block_n"] + 16) * config["block_k"] * element_size
-            assert config["num_stages"] * stage <= shared_memory - 8 * 1024
+            for rows in (1, 16, 64):
+                config = default_config(4096, 14336, element_size, shared_memory, rows)
+                stage = (config["block_n"] + gemv.padded_rows(rows)) * config["block_k"] * element_size
+                assert config["num_stages"] * stage <= shared_memory - 8 * 1024
+
+
+@pytest.mark.parametrize("rows,split_k", [(64, 3), (20, 2), (1, 4)])
+def test_split_k(rows, split_k):
+    # 320 = 5 tiles of 64 over 3 splits of 128 (the last one short); over 4 splits, of 64 each
+    check(rows, 96, 320, torch.float32, block_n=32, block_k=64, split_k=split_k)
+    check(rows, 96, 320, torch.bfloat16, bias=True, block_n=64, block_k=64, split_k=split_k)
+
+
+def test_split_k_is_deterministic_and_leaves_the_counters_at_zero():
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(33, 256, generator=gen), torch.randn(64, 256, generator=gen)
+    # 8 splits of 64 over 256: the last four are empty and add zeros
+    first = gemv_triton(x, weight, block_n=32, block_k=32, split_k=8)
+    assert torch.equal(first, gemv_triton(x, weight, block_n=32, block_k=32, split_k=8))
+    assert not gemv._arrivals(x.device).any()
+
+
+def test_use_for_follows_the_tuned_table(monkeypatch):
+    weight = torch.zeros(128, 64)
+    entries = {}
+    monkeypatch.setattr(gemv, "_tuned", lambda x, w: entries.get(gemv.padded_rows(x.shape[0])))
+    assert gemv.use_for(torch.zeros(gemv.DEFAULT_ROWS, 64), weight)
+    assert not gemv.use_for(torch.zeros(gemv.DEFAULT_ROWS + 1, 64), weight)  # no entry: cuBLAS
+    entries[64] = {"backend": "triton", "config": {}}
+    entries[16] = {"backend": "cublas", "config": {}}
+    assert gemv.use_for(torch.zeros(40, 64), weight)
+    assert not gemv.use_for(torch.zeros(4, 64), weight)
+    assert not gemv.use_for(torch.zeros(MAX_ROWS + 1, 64), weight)
+
+
+def test_table_records_and_looks_up(tmp_path):
+    path = gemv_table.table_path("NVIDIA H200", tmp_path)
+    assert path.name == "gemv_nvidia_h200.json"
+    entry = {"dtype": "bfloat16", "out": 4096, "in": 14336, "rows": 64, "backend": "triton",
+             "config": {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4, "split_k": 4}}
+    gemv_table.record(path, "NVIDIA H200", {"commit": "x"}, [entry])
+    assert gemv_table.lookup("NVIDIA H200", "bfloat16", 4096, 14336, 64, tmp_path) == entry
+    assert gemv_table.lookup("NVIDIA H200", "bfloat16", 4096, 14336, 32, tmp_path) is None
+    assert gemv_table.lookup("NVIDIA A100", "bfloat16", 4096, 14336, 64, tmp_path) is None
+    gemv_table.record(path, "NVIDIA H200", {"commit": "y"}, [dict(entry, backend="cublas")])
+    assert gemv_table.lookup("NVIDIA H200", "bfloat16", 4096, 14336, 64, tmp_path)["backend"] == "cublas"
+    with pytest.raises(ValueError, match="table of NVIDIA H200"):
+        gemv_table.record(path, "NVIDIA A100", {}, [entry])
+
+
+@pytest.mark.parametrize("path", sorted(gemv_table.CONFIG_DIR.glob("gemv_*.json")), ids=lambda p: p.name)
+def test_committed_tables_configs_compute_the_product(path):
+    # Each tuned config, on a small product of its own tile sizes (two tiles of outputs, two K
+    # tiles per split) in the interpreter: a table can only choose configs that are correct.
+    table = json.loads(path.read_text())
+    for entry in table["entries"]:
+        assert entry["backend"] in ("triton", "cublas") and entry["rows"] in (16, 32, 64)
+        c = entry["config"]
+        check(min(entry["rows"], 5), 2 * c["block_n"], 2 * c["block_k"] * c["split_k"], torch.float32,
+              **c)
 
 
 def test_refuses_what_it_does_not_take():
@@ -76,3 +136,12 @@ def test_refuses_what_it_does_not_take():
 def test_gpu_bf16_8b_shapes(rows, shape):
     check(rows, *shape, torch.bfloat16, device="cuda")
     check(rows, *shape, torch.bfloat16, device="cuda", bias=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("split_k", [2, 8])
+def test_gpu_bf16_split_k(rows, split_k):
+    check(rows, 4096, 14336, torch.bfloat16, device="cuda", block_n=128, block_k=128,
+          num_warps=8, num_stages=4, split_k=split_k)

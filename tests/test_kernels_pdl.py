@@ -1,9 +1,9 @@
-"""Programmatic dependent launch (kernels/pdl.py): off unless asked for, and on a GPU that has it,
-the kernels of a decode step give the same results launched either way.
+"""Programmatic dependent launch (kernels/pdl.py): on unless turned off, never under the
+interpreter, and on a GPU that has it, the kernels of a decode step give the same results
+launched either way.
 
 The interpreter cannot run the PDL instructions, so on CPU only the switch is checked; the `gpu`
-test compares the kernels with it on and off (scripts/gpu_pdl.sh runs the engine's GPU tests
-with RAYPAGED_PDL=1 too).
+test compares the kernels with it on and off (the other GPU tests run with it on).
 """
 
 from __future__ import annotations
@@ -38,12 +38,17 @@ def test_this_triton_has_the_launch_option_and_the_wait():
     assert pdl._triton_has_pdl()
 
 
-def test_off_unless_asked_for_and_never_on_cpu(pdl_env):
+def test_never_on_cpu_and_off_when_turned_off(pdl_env, monkeypatch):
     x = torch.zeros(1)
+    for value in (None, "1", "0"):
+        pdl_env(value)
+        assert pdl.pdl_launch(x) == {"USE_PDL": False}  # the interpreter has no PDL
+    # The switch itself, as a capable GPU would see it:
+    monkeypatch.setattr(pdl, "device_properties", lambda device: type("P", (), {"major": 9}))
     pdl_env(None)
-    assert pdl.pdl_launch(x) == {"USE_PDL": False}
-    pdl_env("1")
-    assert pdl.pdl_launch(x) == {"USE_PDL": False}  # the interpreter has no PDL
+    assert pdl._enabled(torch.device("cuda", 0))
+    pdl_env("0")
+    assert not pdl._enabled(torch.device("cuda", 0))
 
 
 @pytest.mark.gpu
@@ -68,7 +73,8 @@ def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env):
         rope_in_place(q, k, positions, inv_freq)
         attn = paged_decode_triton(q.contiguous(), batch.k_cache, batch.v_cache, batch.block_tables,
                                    batch.seq_lens, 1 / math.sqrt(128), max_seq_len=1024)
-        return [summed, attn, silu_and_mul(gemv_triton(attn.reshape(2, 4096), up))]
+        split = gemv_triton(normed, up, split_k=4)  # its partials meet through atomics
+        return [summed, attn, silu_and_mul(gemv_triton(attn.reshape(2, 4096), up)), split]
 
     results = {}
     assert pdl._triton_has_pdl()
