@@ -7,7 +7,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
 export RAYPAGED_PDL=1
-RAYPAGED_GEMV_MAX_ROWS=64 timeout 200 python3 benchmarks/bench_gemv.py --rows 32,64 --tune-rows 64 \
+timeout 200 python3 benchmarks/bench_gemv.py --rows 32,64 --tune-rows 64 \
     --out "$OUT_DIR/rows64" 2>&1 | grep "rows\|copy"
 timeout 100 python3 benchmarks/bench_kernels.py --sections decode --decode-cases 64x1024,1x1024 \
     --tune decode --out "$OUT_DIR/attention64" 2>&1 | tail -8
