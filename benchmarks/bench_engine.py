@@ -58,6 +58,15 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(count)]
 
 
+def decode_output_tokens(batch: int, context: int, steps: int, max_num_batched_tokens: int) -> int:
+    """max_tokens for a request of a timed decode window of `steps` steps at `batch`, so that
+    none finishes inside it: with chunked prefill the first request admitted starts decoding
+    while the others' prompts are still being prefilled, one token a chunk, so it enters the
+    window with up to that many tokens already out (a window with requests finishing in it times
+    a shrinking batch: before 5902912 batch 256 measured ~1.0x its floor that way)."""
+    return -(-batch * context // max_num_batched_tokens) + steps + 16
+
+
 def start_decoding(engine, batch: int, context: int, vocab: int, params: SamplingParams,
                    prefix: str) -> list[str]:
     """Add `batch` greedy requests of `context` prompt tokens and step the engine through their
@@ -79,7 +88,9 @@ def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     duration (ms): with async scheduling a call returns the previous step's tokens, so single
     calls alternate long and short around the period and their median is not the step time."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=decode_output_tokens(batch, context, steps, budget),
+                            ignore_eos=True)
     ids = start_decoding(engine, batch, context, vocab, params, "decode")
     calls = []
     engine.step()  # under async scheduling the first decode step fills the pipeline
@@ -93,6 +104,8 @@ def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
         calls.append((now - last) * 1e3)
         last = now
     wall = time.perf_counter() - start
+    if engine.scheduler.num_running != batch:
+        raise RuntimeError(f"the batch shrank to {engine.scheduler.num_running} of {batch} in the window")
     engine.abort_requests(ids)
     engine.step()
     return wall / steps * 1e3, calls
@@ -195,7 +208,10 @@ def main() -> int:
             result["hf_generate"] = hf_throughput(model_dir, args.throughput_batch, args.prompt_len,
                                                   args.output_len, vocab, dtype, device)
             print(f"transformers generate: {result['hf_generate']['output_tokens_per_s']:.0f} tok/s", flush=True)
-        max_len = max(args.context + args.decode_steps + 16, args.prompt_len + args.output_len + 8)
+        batched_tokens = 8192 if device.type == "cuda" else 1024
+        max_len = max(args.context + decode_output_tokens(max(batch_sizes), args.context, args.decode_steps,
+                                                          batched_tokens),
+                      args.prompt_len + args.output_len + 8)
         rows = []
         runs = [(e, s) for e in args.executors.split(",") for s in args.scheduling.split(",")]
         for executor, scheduling in runs:
@@ -206,7 +222,7 @@ def main() -> int:
                     ray.init(include_dashboard=False, log_to_driver=False)
             llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
                       max_model_len=max_len, max_num_seqs=max(batch_sizes + [args.throughput_batch]),
-                      max_num_batched_tokens=8192 if device.type == "cuda" else 1024,
+                      max_num_batched_tokens=batched_tokens,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       kv_cache_memory_bytes=2**30, distributed_executor_backend=executor,
                       async_scheduling=scheduling == "async")

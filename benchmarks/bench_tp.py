@@ -46,7 +46,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import decode_step_ms, prompts, start_decoding, throughput  # noqa: E402
+from bench_engine import decode_output_tokens, decode_step_ms, prompts, start_decoding, throughput  # noqa: E402
 from common import (SHAPES, decode_setup, device_tag, environment, release_memory,  # noqa: E402
                     write_config, write_json)
 
@@ -195,7 +195,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def profiled_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int) -> list[dict]:
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    max_tokens = decode_output_tokens(batch, context, steps + 3, engine.scheduler.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = start_decoding(engine, batch, context, vocab, params, "profile")
     for _ in range(3):
         engine.step()
@@ -212,12 +213,14 @@ def measure(run: dict, args, model_dir: Path, tp: int, dtype_name: str, vocab: i
             batch_sizes: list[int], device: torch.device, eager: bool) -> None:
     """Fills `run` as it goes, so a failure part-way keeps what was measured."""
     start = time.perf_counter()
-    max_len = max(args.context + args.decode_steps + 16, args.prompt_len + args.output_len + 8,
-                  max(GREEDY_PROMPT_LENS) + args.greedy_tokens + 8)
+    batched_tokens = 8192 if device.type == "cuda" else 1024
+    max_len = max(args.context + decode_output_tokens(max(batch_sizes), args.context, args.decode_steps + 3,
+                                                      batched_tokens),
+                  args.prompt_len + args.output_len + 8, max(GREEDY_PROMPT_LENS) + args.greedy_tokens + 8)
     llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
               tensor_parallel_size=tp, distributed_executor_backend="ray", max_model_len=max_len,
               max_num_seqs=max(batch_sizes + [args.throughput_batch]),
-              max_num_batched_tokens=8192 if device.type == "cuda" else 1024,
+              max_num_batched_tokens=batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=2**28,
               async_scheduling=args.scheduling == "async", enforce_eager=eager,
               piecewise_cuda_graph=args.piecewise_cuda_graph)
