@@ -15,6 +15,8 @@ Split-K (SPLIT_K > 1) gives a weight with few blocks of output features more pro
 writes its fp32 partial sums to a workspace and counts itself in on a per-tile arrival counter;
 the split that arrives last adds all the partials in split order, so the result does not depend
 on which one that is, then resets the counter for the next launch (CUDA-graph replays included).
+The counters are one set per device, so split-K launches must not run concurrently on two streams
+of one device (a worker runs its model on one).
 At 1-16 rows it was no faster on the H200 (be345d9: qkv 3.45 TB/s unsplit vs 3.21 / 2.95 / 2.69
 at 2 / 4 / 8 splits), and the default config does not split; at 64 rows the rows' tile, re-read
 from L2 by every program, makes wide tiles pay, and wide tiles leave too few programs without it.
