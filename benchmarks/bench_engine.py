@@ -63,7 +63,7 @@ def decode_output_tokens(batch: int, context: int, steps: int, max_num_batched_t
     none finishes inside it: with chunked prefill the first request admitted starts decoding
     while the others' prompts are still being prefilled, one token a chunk, so it enters the
     window with up to that many tokens already out (a window with requests finishing in it times
-    a shrinking batch: before 5902912 batch 256 measured ~1.0x its floor that way)."""
+    a shrinking batch: before 9ff8d2f batch 256 measured ~1.0x its floor that way)."""
     return -(-batch * context // max_num_batched_tokens) + steps + 16
 
 
