@@ -68,19 +68,14 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Store key/value [T, Hkv, D] at slot_mapping [T] (block_id*B + offset; -1 = skip).
-    rope = (query, positions, inv_freq): rotate query and key in place first, in one kernel."""
+    """Store key/value [T, Hkv, D] at slot_mapping [T] (block_id*B + offset; -1 = skip)."""
     if backend_for(key) == "torch":
-        if rope is not None:
-            query, positions, inv_freq = rope
-            reference.rope_in_place_ref(query, key, positions, inv_freq)
         reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
         return
     from .write_kv import write_kv_triton
 
-    write_kv_triton(key, value, k_cache, v_cache, slot_mapping, rope=rope)
+    write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode(

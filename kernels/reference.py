@@ -25,18 +25,6 @@ from .validation import (
 )
 
 
-def rope_in_place_ref(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
-                      inv_freq: torch.Tensor) -> None:
-    """Rotate query [T, Hq, D] and key [T, Hkv, D] in place by their tokens' positions ("rotate
-    half" layout), with fp32 angles and products as the Triton kernels compute them."""
-    half = query.shape[-1] // 2
-    angle = positions.float()[:, None, None] * inv_freq.float()[None, None, :]
-    cos, sin = angle.cos(), angle.sin()
-    for x in (query, key):
-        a, b = x[..., :half].float(), x[..., half:].float()
-        x[..., :half], x[..., half:] = (a * cos - b * sin).to(x.dtype), (b * cos + a * sin).to(x.dtype)
-
-
 def write_kv_ref(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -73,19 +73,6 @@ def check_write_inputs(key, value, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
 
 
-def check_rope_inputs(query, key, positions, inv_freq) -> None:
-    if query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2] or key.shape[2] % 2:
-        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} must be [T, H, D] "
-                         "with one T and one even D")
-    if query.stride(-1) != 1:
-        raise ValueError("query head_dim must be contiguous (stride 1)")
-    if positions.shape != (key.shape[0],) or inv_freq.shape != (key.shape[2] // 2,):
-        raise ValueError(f"positions must be [{key.shape[0]}] and inv_freq [{key.shape[2] // 2}], got "
-                         f"{tuple(positions.shape)} and {tuple(inv_freq.shape)}")
-    if inv_freq.dtype != torch.float32 or positions.device != key.device or inv_freq.device != key.device:
-        raise ValueError("inv_freq must be fp32, and both on the key's device")
-
-
 def check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     check_cache_pair(k_cache, v_cache)
     _check_queries(q, k_cache)

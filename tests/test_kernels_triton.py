@@ -21,8 +21,7 @@ import torch
 from raypaged.kernels import ops
 from raypaged.kernels.paged_decode import choose_num_splits, paged_decode_triton
 from raypaged.kernels.paged_prefill import VARIANTS, paged_prefill_triton
-from raypaged.kernels.reference import (paged_decode_ref, paged_prefill_ref, rope_in_place_ref,
-                                        write_kv_ref)
+from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref, write_kv_ref
 from raypaged.kernels.testing import (
     check_against_reference,
     new_token_kv,
@@ -31,7 +30,6 @@ from raypaged.kernels.testing import (
     relative_error_per_row,
 )
 from raypaged.kernels.write_kv import write_kv_triton
-from raypaged.model.fused import rope_in_place
 
 ODD_LENS = [1, 17, 100, 513]
 
@@ -246,57 +244,6 @@ def test_write_kv_matches_reference(dtype):
     assert torch.equal(pools[0].isnan(), pools[2].isnan())
     assert torch.equal(pools[0].nan_to_num(), pools[2].nan_to_num())
     assert torch.equal(pools[1].nan_to_num(), pools[3].nan_to_num())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_with_rope_equals_rope_then_write(dtype):
-    check_write_kv_with_rope(dtype, "cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_write_kv_with_rope_equals_rope_then_write():
-    check_write_kv_with_rope(torch.bfloat16, "cuda")
-
-
-def check_write_kv_with_rope(dtype: torch.dtype, device: str) -> None:
-    # The fused kernel against the two it replaces (the model's rope kernel, then the KV write):
-    # the same bits in query, key and both pools, padding tokens (slot -1) rotated but not stored.
-    gen = torch.Generator().manual_seed(4)
-    qkv = torch.randn((30, 8 + 2 + 2, 64), generator=gen).to(dtype).to(device)  # q / k / v views
-    positions = torch.randint(0, 5000, (30,), generator=gen).to(device)
-    inv_freq = (1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))).to(device)
-    slots = torch.randperm(40 * 16, generator=gen)[:30]
-    slots[::7] = -1
-    slots = slots.to(device)
-    pools = [torch.full((40, 16, 2, 64), float("nan"), dtype=dtype, device=device) for _ in range(4)]
-    fused, separate = qkv.clone(), qkv.clone()
-    q, k, v = fused[:, :8], fused[:, 8:10], fused[:, 10:]
-    write_kv_triton(k, v, pools[0], pools[1], slots, rope=(q, positions, inv_freq))
-    q2, k2, v2 = separate[:, :8], separate[:, 8:10], separate[:, 10:]
-    rope_in_place(q2, k2, positions, inv_freq)
-    write_kv_triton(k2, v2, pools[2], pools[3], slots)
-    assert torch.equal(fused, separate)
-    assert not torch.equal(fused, qkv)
-    for ours, theirs in [(pools[0], pools[2]), (pools[1], pools[3])]:
-        assert torch.equal(ours.isnan(), theirs.isnan())
-        assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
-    # and the torch backend's reference rotates as the kernels do
-    reference = qkv.clone()
-    rope_in_place_ref(reference[:, :8], reference[:, 8:10], positions, inv_freq)
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    assert torch.allclose(reference.float(), fused.float(), atol=tolerance, rtol=tolerance)
-
-
-def test_write_kv_rope_refuses_mismatched_inputs():
-    pools = [torch.zeros(4, 8, 1, 64) for _ in range(2)]
-    key = value = torch.ones(2, 1, 64)
-    with pytest.raises(ValueError, match="inv_freq"):
-        write_kv_triton(key, value, *pools, torch.tensor([1, 2]),
-                        rope=(torch.ones(2, 4, 64), torch.tensor([0, 1]), torch.ones(16)))
-    with pytest.raises(ValueError, match="one T"):
-        write_kv_triton(key, value, *pools, torch.tensor([1, 2]),
-                        rope=(torch.ones(3, 4, 64), torch.tensor([0, 1]), torch.ones(32)))
 
 
 def test_write_kv_never_writes_outside_the_pool():

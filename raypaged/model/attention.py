@@ -1,10 +1,9 @@
 """Paged attention layer and the per-step metadata every layer shares.
 
 A step's tokens arrive flattened: decode requests first (one token each), then prefill/extend
-requests (a chunk of new tokens each, attending to their cached prefix). Each layer rotates q
-and k by rope and writes the step's K/V into the paged pool by slot (one kernel on the Triton
-path), then runs the decode kernel on the first part and the prefill kernel on the rest, both
-writing into one output tensor.
+requests (a chunk of new tokens each, attending to their cached prefix). Each layer writes the
+step's K/V into the paged pool by slot, then runs the decode kernel on the first part and the
+prefill kernel on the rest, both writing into one output tensor.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import torch
 from torch import nn
 
 from raypaged.kernels import ops
-
-from .rotary import StepRotary
 
 
 @dataclass
@@ -85,24 +82,16 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,
-        rope: StepRotary | None = None,
     ) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D], written into `out` if given
-        (the piecewise CUDA graphs' static buffer). With `rope`, query and key are rotated
-        first: on the Triton path in place, by the kernel that writes the KV."""
+        (the piecewise CUDA graphs' static buffer)."""
         k_cache, v_cache = kv_cache
         if k_cache.shape[2:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"KV cache holds {tuple(k_cache.shape[2:])} (heads, head_dim) per slot; this rank's "
                 f"attention needs ({self.num_kv_heads}, {self.head_dim})"
             )
-        if rope is not None and rope.in_place:
-            ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping,
-                         rope=(query, rope.positions, rope.inv_freq))
-        else:
-            if rope is not None:
-                query, key = rope.apply(query, key)
-            ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
         if out is None:
             out = torch.empty_like(query)

@@ -52,10 +52,13 @@ class LlamaAttention(nn.Module):
             scale=config.head_dim**-0.5,
         )
 
-    def qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], not yet rotated: the attention layer
-        applies rope (on the Triton path in the same kernel as its KV write)."""
-        return self.qkv_proj.split(self.qkv_proj(hidden))
+    def qkv(
+        self, rope: StepRotary, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = rope.apply(q, k)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -87,15 +90,14 @@ class LlamaDecoderLayer(nn.Module):
     # add-then-normalise in one go.
 
     def pre_attention(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, rope: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the previous layer's output, residual) -> q, k, v (not rotated) and the residual
-        stream."""
+        """(the previous layer's output, residual) -> q, k, v and the residual stream."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        q, k, v = self.self_attn.qkv(hidden)
+        q, k, v = self.self_attn.qkv(rope, hidden)
         return q, k, v, residual
 
     def post_attention(
@@ -128,23 +130,22 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
         for i, kv_cache in enumerate(kv_caches):
-            q, k, v, residual = self.pre_attention(i, hidden, residual)
-            attn_out = self.attention(i, rope, q, k, v, kv_cache, meta)
+            q, k, v, residual = self.pre_attention(i, rope, hidden, residual)
+            attn_out = self.attention(i, q, k, v, kv_cache, meta)
             hidden, residual = self.post_attention(i, attn_out, residual)
         return self.final_norm(hidden, residual)
 
     # The building blocks of `forward`, which the piecewise CUDA-graph runner also calls.
 
     def pre_attention(
-        self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, i: int, rope: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer i up to its attention: (add &) input norm, QKV projection."""
-        return self.layers[i].pre_attention(hidden, residual)
+        """Layer i up to its attention: (add &) input norm, QKV projection, rope."""
+        return self.layers[i].pre_attention(rope, hidden, residual)
 
     def attention(
         self,
         i: int,
-        rope: StepRotary,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -152,9 +153,8 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Layer i's paged attention (rotates q and k, writes the step's K/V) -> [T, Hq·D], into
-        `out` if given."""
-        attn_out = self.layers[i].self_attn.attn(q, k, v, kv_cache, meta, out=out, rope=rope)
+        """Layer i's paged attention (writes the step's K/V) -> [T, Hq·D], into `out` if given."""
+        attn_out = self.layers[i].self_attn.attn(q, k, v, kv_cache, meta, out=out)
         return attn_out.reshape(attn_out.shape[0], -1)
 
     def post_attention(

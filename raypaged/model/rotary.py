@@ -5,9 +5,7 @@ cos/sin are computed per step from the positions instead of looked up in a preco
 [max_position, head_dim] table: the cost is T·D/2 cosines (negligible next to attention), there is
 no table to size against max_position_embeddings, and on the torch path the arithmetic is exactly
 Hugging Face's (fp32 `position * inv_freq`, then cast to the activation dtype), so fp32 logits
-match it tightly. On the Triton path a kernel computes the angles and rotates q and k in place:
-the attention layer's KV write (kernels/write_kv.py), which then stores the rotated K, so a layer
-has one kernel for both (`StepRotary.in_place`).
+match it tightly. On CUDA one fused kernel computes the angles and rotates q and k in place.
 """
 
 from __future__ import annotations
@@ -79,12 +77,6 @@ class StepRotary:
     inv_freq: torch.Tensor  # [D/2] fp32
     cos: torch.Tensor | None  # [T, 1, D] in the activation dtype (torch path only)
     sin: torch.Tensor | None
-
-    @property
-    def in_place(self) -> bool:
-        """Whether this step rotates with the Triton kernel, in place (its angles computed there
-        from positions and inv_freq): then the attention layer folds it into its KV write."""
-        return self.cos is None
 
     def apply(
         self, query: torch.Tensor, key: torch.Tensor

@@ -6,8 +6,8 @@ mixed step on the H200), while the full decode graphs (cuda_graph.py) cannot tak
 its attention's launch sizes depend on the step's query lengths. So the forward is cut at each
 attention call (LlamaModel.pre_attention / post_attention, the same code the eager forward runs):
 
-    piece 0      embedding, layer 0's input norm, QKV
-    piece i      layer i-1's o_proj, add & norm, MLP; layer i's add & norm, QKV
+    piece 0      embedding, layer 0's input norm, QKV, rope
+    piece i      layer i-1's o_proj, add & norm, MLP; layer i's add & norm, QKV, rope
     piece L      layer L-1's o_proj, add & norm, MLP; final norm
 
 and each piece is captured once per padded token count (bucket). Pieces hand their results to
@@ -34,7 +34,6 @@ import time
 import torch
 
 from raypaged.model.attention import AttentionMetadata
-from raypaged.model.rotary import StepRotary
 from raypaged.worker.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
@@ -100,15 +99,16 @@ class PiecewiseGraphs:
         if piece == self.num_layers:
             self.hidden_out[:n].copy_(decoder.final_norm(hidden, residual))
             return
-        q, k, v, residual = decoder.pre_attention(piece, hidden, residual)
+        rope = decoder.rotary_emb(self.positions[:n], hidden.dtype)
+        q, k, v, residual = decoder.pre_attention(piece, rope, hidden, residual)
         self.query[:n].copy_(q)
         self.key[:n].copy_(k)
         self.value[:n].copy_(v)
         self.residual[:n].copy_(residual)
 
-    def _attention(self, layer: int, rope: StepRotary, metadata: AttentionMetadata, t: int) -> None:
-        """Layer `layer`'s attention (rope included), eagerly, on the step's t real rows."""
-        self.decoder.attention(layer, rope, self.query[:t], self.key[:t], self.value[:t],
+    def _attention(self, layer: int, metadata: AttentionMetadata, t: int) -> None:
+        """Layer `layer`'s attention, eagerly, on the step's t real rows."""
+        self.decoder.attention(layer, self.query[:t], self.key[:t], self.value[:t],
                                self.kv_caches[layer], metadata, out=self.attn_out[:t])
 
     # ---- capture and replay --------------------------------------------------------------------
@@ -146,10 +146,9 @@ class PiecewiseGraphs:
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         graphs = self.graphs.get(size)
-        rope = self.decoder.rotary_emb(self.positions[:t], self.query.dtype)
         for piece in range(self.num_layers + 1):
             if piece:
-                self._attention(piece - 1, rope, metadata, t)
+                self._attention(piece - 1, metadata, t)
             if graphs is not None:
                 graphs[piece].replay()
             else:
