@@ -67,18 +67,27 @@ def decode_output_tokens(batch: int, context: int, steps: int, max_num_batched_t
     return -(-batch * context // max_num_batched_tokens) + steps + 16
 
 
-def start_decoding(engine, batch: int, context: int, vocab: int, params: SamplingParams,
-                   prefix: str) -> list[str]:
+def start_decoding(engine, batch: int, context: int, vocab: int, steps: int, prefix: str) -> list[str]:
     """Add `batch` greedy requests of `context` prompt tokens and step the engine through their
-    prefill (chunked or not) until every one is decoding. Returns their ids."""
+    prefill (chunked or not) until every one is decoding; each may then decode for `steps` more
+    steps and a few of warm-up without finishing (`decode_output_tokens`). Returns their ids."""
     from raypaged.core.request import Request
 
+    max_tokens = decode_output_tokens(batch, context, steps, engine.scheduler.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"{prefix}-{batch}-{i}" for i in range(batch)]
     for request_id, prompt in zip(ids, prompts(batch, context, vocab, seed=batch)):
         engine.add_request(Request(request_id, prompt["prompt_token_ids"], params))
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
     return ids
+
+
+def check_batch_kept(engine, batch: int) -> None:
+    """After a timed window: all `batch` requests must still be running (a window in which some
+    finished timed a smaller batch than it reports)."""
+    if engine.scheduler.num_running != batch:
+        raise RuntimeError(f"the batch shrank to {engine.scheduler.num_running} of {batch} in the window")
 
 
 def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
@@ -88,10 +97,7 @@ def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     duration (ms): with async scheduling a call returns the previous step's tokens, so single
     calls alternate long and short around the period and their median is not the step time."""
     engine = llm.engine
-    budget = engine.scheduler.config.max_num_batched_tokens
-    params = SamplingParams(temperature=0.0, max_tokens=decode_output_tokens(batch, context, steps, budget),
-                            ignore_eos=True)
-    ids = start_decoding(engine, batch, context, vocab, params, "decode")
+    ids = start_decoding(engine, batch, context, vocab, steps, "decode")
     calls = []
     engine.step()  # under async scheduling the first decode step fills the pipeline
     sync(device)
@@ -104,8 +110,7 @@ def decode_step_ms(llm: LLM, batch: int, context: int, steps: int, vocab: int,
         calls.append((now - last) * 1e3)
         last = now
     wall = time.perf_counter() - start
-    if engine.scheduler.num_running != batch:
-        raise RuntimeError(f"the batch shrank to {engine.scheduler.num_running} of {batch} in the window")
+    check_batch_kept(engine, batch)
     engine.abort_requests(ids)
     engine.step()
     return wall / steps * 1e3, calls

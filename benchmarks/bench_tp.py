@@ -46,7 +46,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import decode_output_tokens, decode_step_ms, prompts, start_decoding, throughput  # noqa: E402
+from bench_engine import (check_batch_kept, decode_output_tokens, decode_step_ms, prompts,  # noqa: E402
+                          start_decoding, throughput)
 from common import (SHAPES, decode_setup, device_tag, environment, release_memory,  # noqa: E402
                     write_config, write_json)
 
@@ -195,15 +196,14 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def profiled_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int) -> list[dict]:
     engine = llm.engine
-    max_tokens = decode_output_tokens(batch, context, steps + 3, engine.scheduler.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = start_decoding(engine, batch, context, vocab, params, "profile")
+    ids = start_decoding(engine, batch, context, vocab, steps, "profile")
     for _ in range(3):
         engine.step()
     engine.executor.run_on_workers(profile_start)
     for _ in range(steps):
         engine.step()
     ranks = engine.executor.run_on_workers(profile_stop, steps)
+    check_batch_kept(engine, batch)
     engine.abort_requests(ids)
     drain(engine)
     return ranks
@@ -214,7 +214,7 @@ def measure(run: dict, args, model_dir: Path, tp: int, dtype_name: str, vocab: i
     """Fills `run` as it goes, so a failure part-way keeps what was measured."""
     start = time.perf_counter()
     batched_tokens = 8192 if device.type == "cuda" else 1024
-    max_len = max(args.context + decode_output_tokens(max(batch_sizes), args.context, args.decode_steps + 3,
+    max_len = max(args.context + decode_output_tokens(max(batch_sizes), args.context, args.decode_steps,
                                                       batched_tokens),
                   args.prompt_len + args.output_len + 8, max(GREEDY_PROMPT_LENS) + args.greedy_tokens + 8)
     llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,

@@ -27,19 +27,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import decode_output_tokens, start_decoding  # noqa: E402
+from bench_engine import check_batch_kept, decode_output_tokens, start_decoding  # noqa: E402
 from common import (SHAPES, add_replot_argument, decode_setup, device_tag, environment,  # noqa: E402
                     release_memory, replot, sync, write_config, write_json)
 
-from raypaged import LLM, SamplingParams  # noqa: E402
+from raypaged import LLM  # noqa: E402
 
 
 def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
                 device: torch.device) -> dict:
     engine = llm.engine
-    max_tokens = decode_output_tokens(batch, context, steps + 3, engine.scheduler.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = start_decoding(engine, batch, context, vocab, params, "idle")
+    ids = start_decoding(engine, batch, context, vocab, steps, "idle")
     for _ in range(3):  # fill the async pipeline, settle the allocator
         engine.step()
     sync(device)
@@ -49,8 +47,7 @@ def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - start
-    if engine.scheduler.num_running != batch:
-        raise RuntimeError(f"the batch shrank to {engine.scheduler.num_running} of {batch} in the trace")
+    check_batch_kept(engine, batch)
     engine.abort_requests(ids)
     engine.step()
     engine.step()
@@ -142,7 +139,7 @@ def main() -> int:
                       # room for the traced requests' outputs (the engine's default token
                       # budget is at least 2,048: the bound assumed when none is given)
                       max_model_len=args.context + decode_output_tokens(
-                          max(batch_sizes), args.context, args.steps + 3,
+                          max(batch_sizes), args.context, args.steps,
                           args.max_num_batched_tokens or 2048),
                       max_num_seqs=args.max_num_seqs or max(batch_sizes),
                       max_num_batched_tokens=args.max_num_batched_tokens,

@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import prompts, start_decoding  # noqa: E402
+from bench_engine import decode_output_tokens, prompts, start_decoding  # noqa: E402
 from common import (SHAPES, decode_setup, device_tag, environment, release_memory,  # noqa: E402
                     write_config, write_json)
 
@@ -121,8 +121,8 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     engine = llm.engine
     from raypaged.core.request import Request
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
-    ids = start_decoding(engine, batch, context, vocab, params, "p")
+    ids = start_decoding(engine, batch, context, vocab, steps, "p")
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)  # arrivals
     for _ in range(3):
         engine.step()
     engine_stamps = _install_engine_timers(engine)
@@ -211,10 +211,13 @@ def main() -> int:
 
                 def worker_steps(store=store):
                     return store["steps"]
+            batched_tokens = 8192 if device.type == "cuda" else 2048
             llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
-                      max_model_len=args.context + args.steps + 64,
+                      max_model_len=max(args.context + decode_output_tokens(
+                          max(batch_sizes), args.context, args.steps, batched_tokens),
+                          args.mixed_prompt_len + args.steps + 16),
                       max_num_seqs=max(batch_sizes) + (args.steps if args.mixed_prompt_len else 0),
-                      max_num_batched_tokens=8192 if device.type == "cuda" else 2048,
+                      max_num_batched_tokens=batched_tokens,
                       gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
                       enforce_eager=args.enforce_eager, distributed_executor_backend=executor,
                       piecewise_cuda_graph=not args.no_piecewise_cuda_graph,

@@ -21,7 +21,7 @@ At 1-16 rows it was no faster on the H200 (be345d9: qkv 3.45 TB/s unsplit vs 3.2
 at 2 / 4 / 8 splits), and the default config does not split; at 64 rows the rows' tile, re-read
 from L2 by every program, makes wide tiles pay, and wide tiles leave too few programs without it.
 
-Which rows take this kernel is ops.linear's choice (`use_for`): up to DEFAULT_ROWS everywhere,
+Which rows take this kernel is ops.linear's choice (`launch_config`): up to DEFAULT_ROWS everywhere,
 up to MAX_ROWS where the device's tuned table (gemv_table.py, written by bench_gemv.py) found it
 faster than cuBLAS for that weight's shape.
 
@@ -168,15 +168,21 @@ def _tuned(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
                              weight.shape[0], weight.shape[1], padded_rows(x.shape[0]))
 
 
-def use_for(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ops.linear should send this product here rather than to cuBLAS: what the device's
-    tuned table measured for the shape, else up to DEFAULT_ROWS rows."""
+def _default_for(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    shared_memory = device_properties(x.device).shared_memory_per_block_optin if x.is_cuda else 227 * 1024
+    return default_config(weight.shape[0], weight.shape[1], x.element_size(), shared_memory, x.shape[0])
+
+
+def launch_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """The config ops.linear launches this product with, or None where cuBLAS should take it:
+    what the device's tuned table measured for the shape, else the default up to DEFAULT_ROWS
+    rows."""
     if not supports(x, weight):
-        return False
+        return None
     entry = _tuned(x, weight)
     if entry is not None:
-        return entry["backend"] == "triton"
-    return x.shape[0] <= DEFAULT_ROWS
+        return entry["config"] if entry["backend"] == "triton" else None
+    return _default_for(x, weight) if x.shape[0] <= DEFAULT_ROWS else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,6 +197,7 @@ def gemv_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    config: dict | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -198,20 +205,17 @@ def gemv_triton(
     split_k: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, for
-    M <= MAX_ROWS. The launch config is the device's tuned one for the shape if any, else
-    `default_config`; the keyword arguments override it (benchmarks, tests)."""
+    M <= MAX_ROWS. The launch config is `config` (ops.linear's, from `launch_config`), else the
+    device's tuned one for the shape if any, else `default_config`; the other keyword arguments
+    override single fields (benchmarks, tests)."""
     if not supports(x, weight):
         raise ValueError(f"gemv_triton takes x [M <= {MAX_ROWS}, K] and weight [N, K] of one dtype, "
                          f"contiguous along K; got {tuple(x.shape)} {x.dtype} and "
                          f"{tuple(weight.shape)} {weight.dtype}")
     rows = x.shape[0]
     out_features, in_features = weight.shape
-    entry = _tuned(x, weight)
-    if entry is not None and entry["backend"] == "triton":
-        config = entry["config"]
-    else:
-        shared_memory = device_properties(x.device).shared_memory_per_block_optin if x.is_cuda else 227 * 1024
-        config = default_config(out_features, in_features, x.element_size(), shared_memory, rows)
+    if config is None:
+        config = launch_config(x, weight) or _default_for(x, weight)
     block_n = block_n or config["block_n"]
     block_k = block_k or config["block_k"]
     split_k = split_k or config.get("split_k", 1)

@@ -48,17 +48,18 @@ def backend_for(tensor: torch.Tensor) -> str:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ (+ b). A small decode batch on the Triton backend takes the skinny GEMM where it
-    reads the weights closer to the bandwidth than cuBLAS (gemv.use_for: up to 16 rows, or up to
+    reads the weights closer to the bandwidth than cuBLAS (gemv.launch_config: up to 16 rows, or up to
     64 where the device's tuned table says so; benchmarks/bench_gemv.py); anything else is
     F.linear."""
     # fp32 on a GPU stays with cuBLAS: an 8B fp32 decode step through the kernel took 61 ms where
     # reading its 32 GB of weights takes ~8 (499ce26; an IEEE fp32 tl.dot has no tensor-core
     # path). The interpreter takes fp32, so the CPU tests still run the kernel in the model.
     if backend_for(x) == "triton" and not (x.is_cuda and x.dtype == torch.float32):
-        from .gemv import gemv_triton, use_for
+        from .gemv import gemv_triton, launch_config
 
-        if use_for(x, weight):
-            return gemv_triton(x, weight, bias)
+        config = launch_config(x, weight)
+        if config is not None:
+            return gemv_triton(x, weight, bias, config=config)
     return F.linear(x, weight, bias)
 
 

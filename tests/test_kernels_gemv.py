@@ -79,17 +79,19 @@ def test_split_k_is_deterministic_and_leaves_the_counters_at_zero():
     assert not gemv._arrivals(x.device).any()
 
 
-def test_use_for_follows_the_tuned_table(monkeypatch):
+def test_launch_config_follows_the_tuned_table(monkeypatch):
     weight = torch.zeros(128, 64)
     entries = {}
     monkeypatch.setattr(gemv, "_tuned", lambda x, w: entries.get(gemv.padded_rows(x.shape[0])))
-    assert gemv.use_for(torch.zeros(gemv.DEFAULT_ROWS, 64), weight)
-    assert not gemv.use_for(torch.zeros(gemv.DEFAULT_ROWS + 1, 64), weight)  # no entry: cuBLAS
-    entries[64] = {"backend": "triton", "config": {}}
+    assert gemv.launch_config(torch.zeros(gemv.DEFAULT_ROWS, 64), weight) == default_config(
+        128, 64, 4, rows=gemv.DEFAULT_ROWS)
+    assert gemv.launch_config(torch.zeros(gemv.DEFAULT_ROWS + 1, 64), weight) is None  # cuBLAS
+    tuned = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "split_k": 2}
+    entries[64] = {"backend": "triton", "config": tuned}
     entries[16] = {"backend": "cublas", "config": {}}
-    assert gemv.use_for(torch.zeros(40, 64), weight)
-    assert not gemv.use_for(torch.zeros(4, 64), weight)
-    assert not gemv.use_for(torch.zeros(MAX_ROWS + 1, 64), weight)
+    assert gemv.launch_config(torch.zeros(40, 64), weight) == tuned
+    assert gemv.launch_config(torch.zeros(4, 64), weight) is None
+    assert gemv.launch_config(torch.zeros(MAX_ROWS + 1, 64), weight) is None
 
 
 def test_table_records_and_looks_up(tmp_path):
