@@ -34,12 +34,14 @@ the previous kernel (57aab15: the 8B step at batch 1 4.24 ms without, 4.24 / 4.3
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import gemv_table
+from .gemv_epilogues import PLAIN, ROPE, SILU_MUL, finish, output_columns
 from .pdl import pdl_launch, wait_for_inputs
 from .triton_common import device_properties, dot, dot_mode
 
@@ -48,17 +50,11 @@ MAX_ROWS = 64
 # Steps of up to this many rows take the kernel on any device with the default config: measured
 # faster than cuBLAS from 1 to 16 rows on every 8B shape on the H200 (gemv_h200.json).
 DEFAULT_ROWS = 16
+_CONFIG_FIELDS = {"block_n", "block_k", "num_warps", "num_stages", "split_k"}
+# The fused epilogues' switch, for measuring them against the separate kernels ("0": off).
+EPILOGUES_ENV_VAR = "RAYPAGED_GEMM_EPILOGUES"
 # Arrival counters per device: one per block of output features of a split-K launch.
 _MAX_SPLIT_TILES = 1 << 14
-
-
-@triton.jit
-def _store_out(acc, bias_ptr, out_ptr, cols, rows, col_ok, row_ok, stride_om,
-               HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
@@ -69,10 +65,13 @@ def _gemv_kernel(
     out_ptr,
     partial_ptr,  # [SPLIT_K, N, M_PAD] fp32 (split-K only)
     arrivals_ptr,  # [tiles] int32, zero between launches (split-K only)
+    positions_ptr,  # [M] int64 (ROPE only)
+    inv_freq_ptr,  # [HALF] fp32 (ROPE only)
     M,
     N,
     K,
     k_per_split,  # a multiple of BLOCK_K
+    rotated_features,  # ROPE: the q and k heads' features; the v heads' after them stay as they are
     stride_xm,
     stride_wn,
     stride_om,
@@ -82,13 +81,15 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: loads need no mask
+    EPILOGUE: tl.constexpr,  # gemv_epilogues: PLAIN, ROPE or SILU_MUL
+    HALF: tl.constexpr,  # ROPE: head_dim / 2
     DOT_MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = output_columns(tile, N, BLOCK_N, EPILOGUE, HALF)
     rows = tl.arange(0, M_PAD)
     col_ok = cols < N
     row_ok = rows < M
@@ -111,7 +112,8 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K == 1:
-        _store_out(acc, bias_ptr, out_ptr, cols, rows, col_ok, row_ok, stride_om, HAS_BIAS)
+        finish(acc, bias_ptr, out_ptr, positions_ptr, inv_freq_ptr, tile, cols, rows, col_ok, row_ok,
+               stride_om, rotated_features, HAS_BIAS, EPILOGUE, HALF, BLOCK_N, M_PAD)
     else:
         offsets = cols[:, None] * M_PAD + rows[None, :]
         tl.store(partial_ptr + split * N * M_PAD + offsets, acc, mask=col_ok[:, None])
@@ -124,7 +126,8 @@ def _gemv_kernel(
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partial_ptr + s * N * M_PAD + offsets, mask=col_ok[:, None],
                                  other=0.0, cache_modifier=".cg")
-            _store_out(total, bias_ptr, out_ptr, cols, rows, col_ok, row_ok, stride_om, HAS_BIAS)
+            finish(total, bias_ptr, out_ptr, positions_ptr, inv_freq_ptr, tile, cols, rows, col_ok,
+                   row_ok, stride_om, rotated_features, HAS_BIAS, EPILOGUE, HALF, BLOCK_N, M_PAD)
             tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -185,6 +188,31 @@ def launch_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     return _default_for(x, weight) if x.shape[0] <= DEFAULT_ROWS else None
 
 
+def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int) -> dict | None:
+    """The config to run this product with a fused epilogue (gemv_rope, gemv_silu_mul) whose
+    pairs of output features lie `group` features apart (head_dim / 2; the intermediate size), or
+    None where it should run as the GEMM and a separate kernel.
+
+    Where the kernel would take the plain product it takes the fused one with the same config.
+    Where the tuned table chose cuBLAS it takes it too, with the best config the sweep found for
+    the kernel: the separate kernel it saves costs more than the table's margin (at 64 rows on
+    the H200, qkv 3.08 vs 3.17 TB/s: 0.5 µs a layer against a ~3 µs rope kernel). block_n
+    narrows until its halves divide `group`; it must stay 16 or more (tl.dot's minimum)."""
+    if not supports(x, weight) or os.environ.get(EPILOGUES_ENV_VAR, "1") == "0":
+        return None
+    entry = _tuned(x, weight)
+    if entry is not None:
+        config = entry["config"]
+    elif x.shape[0] <= DEFAULT_ROWS:
+        config = _default_for(x, weight)
+    else:
+        return None
+    block_n = config["block_n"]
+    while block_n >= 16 and group % (block_n // 2):
+        block_n //= 2
+    return {**config, "block_n": block_n} if block_n >= 16 else None
+
+
 @functools.lru_cache(maxsize=None)
 def _arrivals(device: torch.device) -> torch.Tensor:
     """The split-K arrival counters of `device`: allocated once and kept, since captured CUDA
@@ -198,32 +226,81 @@ def gemv_triton(
     bias: torch.Tensor | None = None,
     *,
     config: dict | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    split_k: int | None = None,
+    **overrides: int,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]ᵀ (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, for
     M <= MAX_ROWS. The launch config is `config` (ops.linear's, from `launch_config`), else the
-    device's tuned one for the shape if any, else `default_config`; the other keyword arguments
-    override single fields (benchmarks, tests)."""
+    device's tuned one for the shape if any, else `default_config`; keyword arguments block_n,
+    block_k, num_warps, num_stages, split_k override single fields (benchmarks, tests)."""
+    _check(x, weight)
+    if config is None:
+        config = launch_config(x, weight) or _default_for(x, weight)
+    unknown = set(overrides) - _CONFIG_FIELDS
+    if unknown:
+        raise TypeError(f"gemv_triton got unknown config fields {sorted(unknown)}")
+    config = {**config, **overrides}
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, config, triton.cdiv(weight.shape[0], config["block_n"]))
+    return out
+
+
+def gemv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    head_dim: int,
+    rotated_features: int,
+    config: dict,
+) -> torch.Tensor:
+    """The qkv product [M, N] with its first `rotated_features` features (the q and k heads, of
+    head_dim each) rotated by rope at positions [M] (int64) with inv_freq [head_dim / 2] (fp32).
+    `config` from `epilogue_config(x, weight, head_dim // 2)`: its block_n pairs features within
+    a head."""
+    _check(x, weight)
+    half = head_dim // 2
+    if weight.shape[0] % head_dim or half % (config["block_n"] // 2):
+        raise ValueError(f"block_n {config['block_n']} does not pair the features of heads of "
+                         f"{head_dim} over {weight.shape[0]} outputs")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, config, weight.shape[0] // config["block_n"], epilogue=ROPE,
+            positions=positions, inv_freq=inv_freq, rotated_features=rotated_features, half=half)
+    return out
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  config: dict) -> torch.Tensor:
+    """silu(gate) * up of the product with a [gate | up] weight [2I, K] -> [M, I]. `config`
+    from `epilogue_config(x, weight, I)`."""
+    _check(x, weight)
+    intermediate = weight.shape[0] // 2
+    pairs = config["block_n"] // 2
+    if weight.shape[0] % 2 or intermediate % pairs:
+        raise ValueError(f"block_n {config['block_n']} does not pair gate and up features over "
+                         f"{weight.shape[0]} outputs")
+    out = torch.empty(x.shape[0], intermediate, dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, config, intermediate // pairs, epilogue=SILU_MUL)
+    return out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if not supports(x, weight):
         raise ValueError(f"gemv_triton takes x [M <= {MAX_ROWS}, K] and weight [N, K] of one dtype, "
                          f"contiguous along K; got {tuple(x.shape)} {x.dtype} and "
                          f"{tuple(weight.shape)} {weight.dtype}")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            config: dict, tiles: int, epilogue: int = PLAIN, positions: torch.Tensor | None = None,
+            inv_freq: torch.Tensor | None = None, rotated_features: int = 0, half: int = 1) -> None:
     rows = x.shape[0]
     out_features, in_features = weight.shape
-    if config is None:
-        config = launch_config(x, weight) or _default_for(x, weight)
-    block_n = block_n or config["block_n"]
-    block_k = block_k or config["block_k"]
-    split_k = split_k or config.get("split_k", 1)
-    tiles = triton.cdiv(out_features, block_n)
+    block_n, block_k = config["block_n"], config["block_k"]
+    split_k = config.get("split_k", 1)
     # Each split covers whole K tiles; trailing splits may be empty (they add zeros).
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     m_pad = padded_rows(rows)
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if split_k > 1:
         if tiles > _MAX_SPLIT_TILES:
             raise ValueError(f"split-K takes at most {_MAX_SPLIT_TILES} blocks of outputs")
@@ -233,7 +310,8 @@ def gemv_triton(
         partial = arrivals = out  # unused
     _gemv_kernel[(tiles, split_k)](
         x, weight, bias if bias is not None else out, out, partial, arrivals,
-        rows, out_features, in_features, k_per_split,
+        positions if positions is not None else out, inv_freq if inv_freq is not None else out,
+        rows, out_features, in_features, k_per_split, rotated_features,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         M_PAD=m_pad,
@@ -241,9 +319,10 @@ def gemv_triton(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         EVEN=out_features % block_n == 0 and in_features % block_k == 0,
+        EPILOGUE=epilogue,
+        HALF=half,
         DOT_MODE=dot_mode(x),
-        num_warps=num_warps or config["num_warps"],
-        num_stages=num_stages or config["num_stages"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
         **pdl_launch(x),
     )
-    return out

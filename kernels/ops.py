@@ -51,16 +51,48 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     reads the weights closer to the bandwidth than cuBLAS (gemv.launch_config: up to 16 rows, or up to
     64 where the device's tuned table says so; benchmarks/bench_gemv.py); anything else is
     F.linear."""
-    # fp32 on a GPU stays with cuBLAS: an 8B fp32 decode step through the kernel took 61 ms where
-    # reading its 32 GB of weights takes ~8 (499ce26; an IEEE fp32 tl.dot has no tensor-core
-    # path). The interpreter takes fp32, so the CPU tests still run the kernel in the model.
-    if backend_for(x) == "triton" and not (x.is_cuda and x.dtype == torch.float32):
+    if _skinny_gemm_may_take(x):
         from .gemv import gemv_triton, launch_config
 
         config = launch_config(x, weight)
         if config is not None:
             return gemv_triton(x, weight, bias, config=config)
     return F.linear(x, weight, bias)
+
+
+def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                positions: torch.Tensor, inv_freq: torch.Tensor, head_dim: int,
+                rotated_features: int) -> torch.Tensor | None:
+    """The qkv product with its first `rotated_features` features (q and k heads) rotated by
+    rope in the skinny GEMM's epilogue (gemv_epilogues.py), or None where that kernel does not
+    take the product: then the caller runs `linear` and its rope."""
+    if not _skinny_gemm_may_take(x):
+        return None
+    from .gemv import epilogue_config, gemv_rope
+
+    config = epilogue_config(x, weight, head_dim // 2)
+    if config is None:
+        return None
+    return gemv_rope(x, weight, bias, positions, inv_freq, head_dim, rotated_features, config)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+    """silu(gate) * up of the product with a [gate | up] weight, in the skinny GEMM's epilogue,
+    or None where that kernel does not take the product (then: `linear` and the activation)."""
+    if not _skinny_gemm_may_take(x):
+        return None
+    from .gemv import epilogue_config, gemv_silu_mul
+
+    config = epilogue_config(x, weight, weight.shape[0] // 2)
+    return None if config is None else gemv_silu_mul(x, weight, bias, config)
+
+
+def _skinny_gemm_may_take(x: torch.Tensor) -> bool:
+    # fp32 on a GPU stays with cuBLAS: an 8B fp32 decode step through the kernel took 61 ms where
+    # reading its 32 GB of weights takes ~8 (499ce26; an IEEE fp32 tl.dot has no tensor-core
+    # path). The interpreter takes fp32, so the CPU tests still run the kernel in the model.
+    return backend_for(x) == "triton" and not (x.is_cuda and x.dtype == torch.float32)
 
 
 def write_kv(

@@ -15,7 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from raypaged.kernels import gemv, gemv_table
-from raypaged.kernels.gemv import MAX_ROWS, default_config, gemv_triton, supports
+from raypaged.kernels.gemv import (
+    MAX_ROWS,
+    default_config,
+    epilogue_config,
+    gemv_rope,
+    gemv_silu_mul,
+    gemv_triton,
+    supports,
+)
+from raypaged.model import fused
 
 
 def check(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: str = "cpu",
@@ -121,6 +130,96 @@ def test_committed_tables_configs_compute_the_product(path):
               **c)
 
 
+# ---- fused epilogues: the GEMM then the separate kernel, bit for bit
+
+
+def _epilogue_inputs(rows, out_features, dtype, bias, seed=0, device="cpu", in_features=96):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype).to(device)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).to(dtype).to(device)
+    b = torch.randn(out_features, generator=gen).to(dtype).to(device) if bias else None
+    return x, weight, b
+
+
+def check_rope_epilogue(rows, q_heads, kv_heads, head_dim, dtype, bias, config, device="cpu",
+                        in_features=96):
+    x, weight, b = _epilogue_inputs(rows, (q_heads + 2 * kv_heads) * head_dim, dtype, bias,
+                                    device=device, in_features=in_features)
+    positions = torch.randint(0, 5000, (rows,), generator=torch.Generator().manual_seed(1)).to(device)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)).to(device)
+    expected = gemv_triton(x, weight, b, config=config)
+    q, k, _ = expected.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    fused.set_force_triton(True)
+    try:
+        fused.rope_in_place(q.view(rows, q_heads, head_dim), k.view(rows, kv_heads, head_dim),
+                            positions, inv_freq)
+    finally:
+        fused.set_force_triton(False)
+    out = gemv_rope(x, weight, b, positions, inv_freq, head_dim, (q_heads + kv_heads) * head_dim,
+                    config)
+    assert torch.equal(out, expected)
+
+
+def check_silu_epilogue(rows, intermediate, dtype, bias, config, device="cpu", in_features=96):
+    x, weight, b = _epilogue_inputs(rows, 2 * intermediate, dtype, bias, seed=2, device=device,
+                                    in_features=in_features)
+    fused.set_force_triton(True)
+    try:
+        expected = fused.silu_and_mul(gemv_triton(x, weight, b, config=config))
+    finally:
+        fused.set_force_triton(False)
+    out = gemv_silu_mul(x, weight, b, config)
+    assert out.shape == (rows, intermediate) and torch.equal(out, expected)
+
+
+_SMALL = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, split_k=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,block_n,split_k,bias", [(3, 32, 1, True), (17, 16, 3, False),
+                                                        (MAX_ROWS, 32, 2, True)])
+def test_rope_epilogue_is_the_gemm_then_rope(dtype, rows, block_n, split_k, bias):
+    # head_dim 32: a block of 32 is one head, a block of 16 half of one (pairs 8 apart)
+    config = dict(_SMALL, block_n=block_n, split_k=split_k)
+    check_rope_epilogue(rows, 4, 2, 32, dtype, bias, config)
+    check_rope_epilogue(rows, 3, 1, 16, dtype, bias, dict(config, block_n=16))  # MQA, one kv head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,block_n,split_k,bias", [(5, 32, 1, True), (MAX_ROWS, 16, 2, False)])
+def test_silu_epilogue_is_the_gemm_then_silu_and_mul(dtype, rows, block_n, split_k, bias):
+    check_silu_epilogue(rows, 48, dtype, bias, dict(_SMALL, block_n=block_n, split_k=split_k))
+
+
+def test_epilogue_config_pairs_features_or_declines(monkeypatch):
+    weight = torch.zeros(256, 64)
+    monkeypatch.setattr(gemv, "_tuned", lambda x, w: None)
+    default = default_config(256, 64, 4, rows=1)
+    assert epilogue_config(torch.zeros(1, 64), weight, 64) == default  # block_n 64: 32 | 64
+    assert epilogue_config(torch.zeros(1, 64), weight, 8)["block_n"] == 16  # narrowed
+    assert epilogue_config(torch.zeros(1, 64), weight, 12) is None  # pairs of 4: under tl.dot's 16
+    assert epilogue_config(torch.zeros(gemv.DEFAULT_ROWS + 1, 64), weight, 64) is None
+    # where the table chose cuBLAS for the plain product the fused one still takes its config
+    tuned = {"block_n": 128, "block_k": 32, "num_warps": 4, "num_stages": 2, "split_k": 2}
+    monkeypatch.setattr(gemv, "_tuned", lambda x, w: {"backend": "cublas", "config": tuned})
+    assert gemv.launch_config(torch.zeros(40, 64), weight) is None
+    assert epilogue_config(torch.zeros(40, 64), weight, 64) == tuned
+    assert epilogue_config(torch.zeros(40, 64), weight, 16) == dict(tuned, block_n=32)
+    monkeypatch.setenv(gemv.EPILOGUES_ENV_VAR, "0")
+    assert epilogue_config(torch.zeros(40, 64), weight, 64) is None
+
+
+def test_epilogues_refuse_blocks_that_split_a_pair():
+    x, weight = torch.zeros(2, 64), torch.zeros(96, 64)
+    with pytest.raises(ValueError, match="does not pair the features of heads"):
+        gemv_rope(x, weight, None, torch.zeros(2, dtype=torch.int64), torch.ones(16), 32, 64,
+                  dict(_SMALL, block_n=64))  # half a head is 16 features: 32-wide halves span two
+    with pytest.raises(ValueError, match="does not pair gate and up"):
+        gemv_silu_mul(x, weight, None, dict(_SMALL, block_n=64))  # 48 % 32
+    with pytest.raises(TypeError, match="unknown config fields"):
+        gemv_triton(x, weight, block_m=16)
+
+
 def test_refuses_what_it_does_not_take():
     weight = torch.zeros(32, 64)
     assert supports(torch.zeros(MAX_ROWS, 64), weight)
@@ -138,6 +237,20 @@ def test_refuses_what_it_does_not_take():
 def test_gpu_bf16_8b_shapes(rows, shape):
     check(rows, *shape, torch.bfloat16, device="cuda")
     check(rows, *shape, torch.bfloat16, device="cuda", bias=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 8, MAX_ROWS])
+def test_gpu_bf16_epilogues_8b_shapes(rows):
+    # the 8B's qkv (32 q and 8 kv heads of 128) and gate/up (14336), with the configs the engine
+    # launches them with on this device
+    x = torch.zeros(rows, 4096, dtype=torch.bfloat16, device="cuda")
+    qkv = epilogue_config(x, torch.zeros(6144, 4096, dtype=torch.bfloat16, device="cuda"), 64)
+    check_rope_epilogue(rows, 32, 8, 128, torch.bfloat16, False, qkv, "cuda", 4096)
+    check_rope_epilogue(rows, 32, 8, 128, torch.bfloat16, True, dict(qkv, split_k=2), "cuda", 4096)
+    gate_up = epilogue_config(x, torch.zeros(28672, 4096, dtype=torch.bfloat16, device="cuda"), 14336)
+    check_silu_epilogue(rows, 14336, torch.bfloat16, False, gate_up, "cuda", 4096)
 
 
 @pytest.mark.gpu

@@ -92,9 +92,33 @@ def test_rope_in_place_matches_torch_rotation(dtype, head_dim):
 
 
 def test_model_through_fused_kernels_matches_transformers(triton_path):
+    _model_matches_transformers("qwen2")
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama3-rope", "llama-tied"])
+def test_model_through_gemm_epilogues_matches_transformers(name, triton_path, monkeypatch):
+    # The decode path of a GPU: the linears on the skinny GEMM, rope and SwiGLU in its epilogues
+    # (qkv bias, llama3 frequencies, one KV head, tied embeddings with MLP biases).
+    from raypaged.kernels import gemv, ops
+
+    calls = {"gemv_rope": 0, "gemv_silu_mul": 0}
+    for fn in calls:
+        original = getattr(gemv, fn)
+        monkeypatch.setattr(gemv, fn, lambda *a, _fn=fn, _original=original, **k: (
+            calls.__setitem__(_fn, calls[_fn] + 1), _original(*a, **k))[1])
+    ops.set_backend("triton")
+    try:
+        _model_matches_transformers(name)
+    finally:
+        ops.set_backend("auto")
+    layers = ModelConfig.from_pretrained(checkpoint_dir(name)).num_hidden_layers
+    assert calls["gemv_rope"] >= 3 * layers and calls["gemv_silu_mul"] >= 3 * layers, calls
+
+
+def _model_matches_transformers(name: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    path = checkpoint_dir("qwen2")
+    path = checkpoint_dir(name)
     config = ModelConfig.from_pretrained(path)
     model = load_model(path, dtype=torch.float32, progress=False)
     harness = PagedHarness(model, config, block_size=8, num_blocks=24, seed=4)

@@ -18,7 +18,7 @@ from torch import nn
 
 from raypaged.kernels import ops
 
-from .fused import add_rms_norm, rms_norm
+from .fused import add_rms_norm, rms_norm, silu_and_mul, use_triton
 from .parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -131,6 +131,15 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """gate_proj and up_proj as one column-parallel GEMM; shards 0 and 1."""
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x's product [T, I]: the skinny GEMM applies it as it stores its
+        outputs where it takes the product, else a separate kernel does."""
+        if use_triton(x):
+            activated = ops.linear_silu_mul(x, self.weight, self.bias)
+            if activated is not None:
+                return activated
+        return silu_and_mul(self(x))
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections as one column-parallel GEMM; shards "q", "k", "v".
@@ -173,6 +182,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _shard(self, shard: object) -> OutputShard:
         return self.shards[self.SHARD_NAMES.index(shard)]  # type: ignore[arg-type]
+
+    def rotated(self, x: torch.Tensor, positions: torch.Tensor,
+                inv_freq: torch.Tensor) -> torch.Tensor | None:
+        """x's product with q and k rotated by rope (positions [T], inv_freq [D/2]) as the skinny
+        GEMM stores them, or None where that kernel does not take the product."""
+        return ops.linear_rope(x, self.weight, self.bias, positions, inv_freq, self.head_dim,
+                               (self.num_heads + self.num_kv_heads) * self.head_dim)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, rows] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (this rank's heads)."""

@@ -17,7 +17,6 @@ from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .fused import silu_and_mul
 from .layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -56,6 +55,10 @@ class LlamaAttention(nn.Module):
         self, rope: StepRotary, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated."""
+        if rope.cos is None:  # rope on the kernels' path: the GEMM may rotate as it stores
+            qkv = self.qkv_proj.rotated(hidden, rope.positions, rope.inv_freq)
+            if qkv is not None:
+                return self.qkv_proj.split(qkv)
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = rope.apply(q, k)
         return q, k, v
@@ -73,7 +76,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,82 @@
+"""What the skinny GEMM (gemv.py) does with a block of finished outputs: store it, or first apply
+the elementwise step that follows that product in the decoder.
+
+A decode step's rope and SwiGLU are each a kernel of a few microseconds between two weight-bound
+GEMMs; done in the GEMM's epilogue they cost no launch and no round trip through memory. Both
+pair output features: rope rotates feature i of a head with feature i + D/2, SwiGLU multiplies
+gate feature i with up feature i. So with an epilogue a program's BLOCK_N outputs are not
+consecutive: they are PAIRS = BLOCK_N / 2 first members of pairs followed by their PAIRS
+partners (`output_columns`), which the epilogue splits apart. Each output feature is still the
+same dot product over K, accumulated in the same order, so the result equals the GEMM followed
+by the separate kernel bit for bit (the product is rounded to the output dtype before the
+epilogue, as the separate kernel would read it).
+
+  PLAIN     out[m, n] = x·w_n (+ b_n)
+  ROPE      out = the qkv product with q and k heads rotated by their token's position
+            (Hugging Face's "rotate half" layout; angles as kernels in model/fused.py compute them)
+  SILU_MUL  out[m, i] = silu(gate_i) · up_i over a [gate | up] weight, [M, N / 2]
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PLAIN = tl.constexpr(0)
+ROPE = tl.constexpr(1)
+SILU_MUL = tl.constexpr(2)
+
+
+@triton.jit
+def output_columns(tile, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HALF: tl.constexpr):
+    """The BLOCK_N output features program `tile` computes. ROPE: HALF = head_dim / 2."""
+    lane = tl.arange(0, BLOCK_N)
+    if EPILOGUE == PLAIN:
+        return tile * BLOCK_N + lane
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    partner = lane // PAIRS  # 0: first members of the pairs, 1: their partners
+    index = lane % PAIRS
+    if EPILOGUE == ROPE:
+        TILES_PER_HALF: tl.constexpr = HALF // PAIRS
+        head_start = (tile // TILES_PER_HALF) * (2 * HALF)
+        return head_start + partner * HALF + (tile % TILES_PER_HALF) * PAIRS + index
+    else:
+        return partner * (N // 2) + tile * PAIRS + index
+
+
+@triton.jit
+def finish(acc, bias_ptr, out_ptr, positions_ptr, inv_freq_ptr, tile, cols, rows, col_ok, row_ok,
+           stride_om, rotated_features, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+           HALF: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr):
+    """Store the fp32 block acc [BLOCK_N, M_PAD] of output features `cols` for `rows`."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    dtype = out_ptr.dtype.element_ty
+    if EPILOGUE == PLAIN:
+        out_ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]
+        tl.store(out_ptrs, acc.to(dtype), mask=col_ok[:, None] & row_ok[None, :])
+    else:
+        PAIRS: tl.constexpr = BLOCK_N // 2
+        value = acc.to(dtype).to(tl.float32)
+        first, second = tl.split(tl.permute(tl.reshape(value, [2, PAIRS, M_PAD]), (1, 2, 0)))
+        index = tl.arange(0, PAIRS)
+        mask = row_ok[None, :]
+        if EPILOGUE == ROPE:
+            TILES_PER_HALF: tl.constexpr = HALF // PAIRS
+            head_start = (tile // TILES_PER_HALF) * (2 * HALF)
+            freq = (tile % TILES_PER_HALF) * PAIRS + index
+            first_cols = head_start + freq
+            position = tl.load(positions_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+            angle = position[None, :] * tl.load(inv_freq_ptr + freq)[:, None]
+            cos, sin = tl.cos(angle), tl.sin(angle)
+            # v heads (past the rotated features) pass through unrotated
+            rotate = head_start < rotated_features
+            new_first = tl.where(rotate, first * cos - second * sin, first)
+            new_second = tl.where(rotate, second * cos + first * sin, second)
+            out_ptrs = out_ptr + rows[None, :] * stride_om + first_cols[:, None]
+            tl.store(out_ptrs, new_first.to(dtype), mask=mask)
+            tl.store(out_ptrs + HALF, new_second.to(dtype), mask=mask)
+        else:
+            activated = (first * tl.sigmoid(first)).to(dtype).to(tl.float32)
+            out_ptrs = out_ptr + rows[None, :] * stride_om + (tile * PAIRS + index)[:, None]
+            tl.store(out_ptrs, (activated * second).to(dtype), mask=mask)
