@@ -52,16 +52,55 @@ def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     engine.step()
     engine.step()
     kernels: dict[str, float] = defaultdict(float)
+    timeline = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] += event.device_time_total
+            timeline.append((event.time_range.start, event.time_range.end, event.name))
     busy_us = sum(kernels.values()) / steps
     if device.type == "cuda" and not kernels:
         print("warning: no CUDA kernel events in the trace: busy time unknown", flush=True)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     return {"wall_ms": wall / steps * 1e3, "busy_ms": busy_us / 1e3,
             "idle_share": 1 - busy_us / 1e3 / (wall / steps * 1e3),
-            "top_kernels_ms": [(name[:90], total / steps / 1e3) for name, total in top]}
+            "top_kernels_ms": [(name[:90], total / steps / 1e3) for name, total in top],
+            "per_layer_us": layer_profile(sorted(timeline))}
+
+
+def layer_profile(timeline: list[tuple[float, float, str]]) -> dict[str, list[float]]:
+    """Per kernel of a decoder layer: [its mean duration, the mean time it adds to the stream]
+    in µs over the traced layers.
+
+    timeline: the traced GPU events (start, end, name) in start order. A layer's kernels are
+    those from one attention kernel ("decode_split") up to the next, each labelled by its name
+    and its occurrence in the layer ("_gemv_kernel#2": the layer's third GEMM). What a kernel
+    adds is its end minus the previous kernel's end: with programmatic dependent launch a kernel
+    starts while its predecessor runs, so its duration overlaps it, but this does not."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    layer: list[tuple[float, float, str]] = []
+    previous_end = None
+
+    def close(kernels: list[tuple[float, float, str]]) -> None:
+        seen: dict[str, int] = defaultdict(int)
+        for start, end, name, adds in kernels:
+            label = f"{name[:40]}#{seen[name]}"
+            seen[name] += 1
+            entry = sums[label]
+            entry[0] += end - start
+            entry[1] += adds
+            entry[2] += 1
+
+    for start, end, name in timeline:
+        adds = end - previous_end if previous_end is not None else end - start
+        previous_end = end if previous_end is None else max(previous_end, end)
+        if "decode_split" in name and layer:
+            close(layer)
+            layer = []
+        layer.append((start, end, name, adds))
+    layers = max((count for _, _, count in sums.values()), default=0)
+    # Labels of (nearly) every layer; the step's first and last kernels fall outside.
+    return {label: [duration / count, adds / count] for label, (duration, adds, count) in sums.items()
+            if count >= layers * 0.9 and count > 1}
 
 
 def kernel_family(name: str) -> str:

@@ -157,7 +157,7 @@ def check_rope_epilogue(rows, q_heads, kv_heads, head_dim, dtype, bias, config, 
         fused.set_force_triton(False)
     out = gemv_rope(x, weight, b, positions, inv_freq, head_dim, (q_heads + kv_heads) * head_dim,
                     config)
-    assert torch.equal(out, expected)
+    _assert_same(out, expected)
 
 
 def check_silu_epilogue(rows, intermediate, dtype, bias, config, device="cpu", in_features=96):
@@ -169,7 +169,20 @@ def check_silu_epilogue(rows, intermediate, dtype, bias, config, device="cpu", i
     finally:
         fused.set_force_triton(False)
     out = gemv_silu_mul(x, weight, b, config)
-    assert out.shape == (rows, intermediate) and torch.equal(out, expected)
+    assert out.shape == (rows, intermediate)
+    _assert_same(out, expected)
+
+
+def _assert_same(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit for bit in the interpreter. A GPU compiler contracts multiply-adds (a·cos − b·sin)
+    into FMAs as it sees fit in each kernel, so there the fp32 values may differ in their last
+    bit, and a rounded bf16 output by one step where that bit decides it (seen at 64 rows)."""
+    if out.device.type == "cpu":
+        assert torch.equal(out, expected)
+        return
+    one_step = expected.float().abs() * 2.0**-7 + 1e-30
+    assert ((out.float() - expected.float()).abs() <= one_step).all()
+    assert (out != expected).float().mean().item() < 0.01
 
 
 _SMALL = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, split_k=1)
