@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from . import gemv_table
-from .gemv_epilogues import PLAIN, ROPE, SILU_MUL, finish, output_columns
-from .pdl import pdl_launch, wait_for_inputs
+from .gemv_epilogues import PLAIN, ROPE, SILU_MUL, finish, output_columns, rotation
+from .pdl import let_dependents_launch, pdl_launch, wait_for_inputs, wait_only
 from .triton_common import device_properties, dot, dot_mode
 
 # The most rows the kernel's tiles take (the rows' tile pads to 16, 32 or 64).
@@ -51,8 +51,11 @@ MAX_ROWS = 64
 # faster than cuBLAS from 1 to 16 rows on every 8B shape on the H200 (gemv_h200.json).
 DEFAULT_ROWS = 16
 _CONFIG_FIELDS = {"block_n", "block_k", "num_warps", "num_stages", "split_k"}
-# The fused epilogues' switch, for measuring them against the separate kernels ("0": off).
+# Which fused epilogues ops may use ("rope,silu"; "0" or "": none), for measuring them against
+# the separate kernels.
 EPILOGUES_ENV_VAR = "RAYPAGED_GEMM_EPILOGUES"
+# With PDL, where the GEMM lets the next kernel launch: "start" (as every kernel) or "end".
+TRIGGER_ENV_VAR = "RAYPAGED_GEMM_TRIGGER"
 # Arrival counters per device: one per block of output features of a split-K launch.
 _MAX_SPLIT_TILES = 1 << 14
 
@@ -65,8 +68,8 @@ def _gemv_kernel(
     out_ptr,
     partial_ptr,  # [SPLIT_K, N, M_PAD] fp32 (split-K only)
     arrivals_ptr,  # [tiles] int32, zero between launches (split-K only)
-    positions_ptr,  # [M] int64 (ROPE only)
-    inv_freq_ptr,  # [HALF] fp32 (ROPE only)
+    cos_ptr,  # [M, HALF] fp32 (ROPE only)
+    sin_ptr,  # [M, HALF] fp32 (ROPE only)
     M,
     N,
     K,
@@ -85,14 +88,19 @@ def _gemv_kernel(
     HALF: tl.constexpr,  # ROPE: head_dim / 2
     DOT_MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    TRIGGER_AT_END: tl.constexpr,  # PDL: let the next kernel launch at the end, not the start
 ):
-    wait_for_inputs(USE_PDL)
+    if TRIGGER_AT_END:
+        wait_only(USE_PDL)
+    else:
+        wait_for_inputs(USE_PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     cols = output_columns(tile, N, BLOCK_N, EPILOGUE, HALF)
     rows = tl.arange(0, M_PAD)
     col_ok = cols < N
     row_ok = rows < M
+    cos, sin = rotation(cos_ptr, sin_ptr, tile, rows, row_ok, EPILOGUE, HALF, BLOCK_N)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = (w_ptr + cols[:, None].to(tl.int64) * stride_wn + k_start
@@ -112,7 +120,7 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K == 1:
-        finish(acc, bias_ptr, out_ptr, positions_ptr, inv_freq_ptr, tile, cols, rows, col_ok, row_ok,
+        finish(acc, bias_ptr, out_ptr, cos, sin, tile, cols, rows, col_ok, row_ok,
                stride_om, rotated_features, HAS_BIAS, EPILOGUE, HALF, BLOCK_N, M_PAD)
     else:
         offsets = cols[:, None] * M_PAD + rows[None, :]
@@ -126,9 +134,11 @@ def _gemv_kernel(
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partial_ptr + s * N * M_PAD + offsets, mask=col_ok[:, None],
                                  other=0.0, cache_modifier=".cg")
-            finish(total, bias_ptr, out_ptr, positions_ptr, inv_freq_ptr, tile, cols, rows, col_ok,
+            finish(total, bias_ptr, out_ptr, cos, sin, tile, cols, rows, col_ok,
                    row_ok, stride_om, rotated_features, HAS_BIAS, EPILOGUE, HALF, BLOCK_N, M_PAD)
             tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+    if TRIGGER_AT_END:
+        let_dependents_launch(USE_PDL)
 
 
 def padded_rows(rows: int) -> int:
@@ -188,17 +198,17 @@ def launch_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     return _default_for(x, weight) if x.shape[0] <= DEFAULT_ROWS else None
 
 
-def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int) -> dict | None:
-    """The config to run this product with a fused epilogue (gemv_rope, gemv_silu_mul) whose
-    pairs of output features lie `group` features apart (head_dim / 2; the intermediate size), or
-    None where it should run as the GEMM and a separate kernel.
+def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, name: str) -> dict | None:
+    """The config to run this product with the fused epilogue `name` ("rope": gemv_rope, "silu":
+    gemv_silu_mul) whose pairs of output features lie `group` features apart (head_dim / 2; the
+    intermediate size), or None where it should run as the GEMM and a separate kernel.
 
     Where the kernel would take the plain product it takes the fused one with the same config.
     Where the tuned table chose cuBLAS it takes it too, with the best config the sweep found for
     the kernel: the separate kernel it saves costs more than the table's margin (at 64 rows on
     the H200, qkv 3.08 vs 3.17 TB/s: 0.5 µs a layer against a ~3 µs rope kernel). block_n
     narrows until its halves divide `group`; it must stay 16 or more (tl.dot's minimum)."""
-    if not supports(x, weight) or os.environ.get(EPILOGUES_ENV_VAR, "1") == "0":
+    if not supports(x, weight) or name not in os.environ.get(EPILOGUES_ENV_VAR, "rope,silu").split(","):
         return None
     entry = _tuned(x, weight)
     if entry is not None:
@@ -248,14 +258,15 @@ def gemv_rope(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     head_dim: int,
     rotated_features: int,
     config: dict,
 ) -> torch.Tensor:
     """The qkv product [M, N] with its first `rotated_features` features (the q and k heads, of
-    head_dim each) rotated by rope at positions [M] (int64) with inv_freq [head_dim / 2] (fp32).
+    head_dim each) rotated by rope, by the step's tables cos, sin [M, head_dim / 2] (fp32,
+    contiguous; model/fused.rope_tables).
     `config` from `epilogue_config(x, weight, head_dim // 2)`: its block_n pairs features within
     a head."""
     _check(x, weight)
@@ -265,7 +276,7 @@ def gemv_rope(
                          f"{head_dim} over {weight.shape[0]} outputs")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, config, weight.shape[0] // config["block_n"], epilogue=ROPE,
-            positions=positions, inv_freq=inv_freq, rotated_features=rotated_features, half=half)
+            cos=cos, sin=sin, rotated_features=rotated_features, half=half)
     return out
 
 
@@ -292,8 +303,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: dict, tiles: int, epilogue: int = PLAIN, positions: torch.Tensor | None = None,
-            inv_freq: torch.Tensor | None = None, rotated_features: int = 0, half: int = 1) -> None:
+            config: dict, tiles: int, epilogue: int = PLAIN, cos: torch.Tensor | None = None,
+            sin: torch.Tensor | None = None, rotated_features: int = 0, half: int = 1) -> None:
     rows = x.shape[0]
     out_features, in_features = weight.shape
     block_n, block_k = config["block_n"], config["block_k"]
@@ -310,7 +321,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         partial = arrivals = out  # unused
     _gemv_kernel[(tiles, split_k)](
         x, weight, bias if bias is not None else out, out, partial, arrivals,
-        positions if positions is not None else out, inv_freq if inv_freq is not None else out,
+        cos if cos is not None else out, sin if sin is not None else out,
         rows, out_features, in_features, k_per_split, rotated_features,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
@@ -322,6 +333,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         EPILOGUE=epilogue,
         HALF=half,
         DOT_MODE=dot_mode(x),
+        TRIGGER_AT_END=os.environ.get(TRIGGER_ENV_VAR, "start") == "end",
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **pdl_launch(x),

@@ -13,7 +13,8 @@ epilogue, as the separate kernel would read it).
 
   PLAIN     out[m, n] = x·w_n (+ b_n)
   ROPE      out = the qkv product with q and k heads rotated by their token's position
-            (Hugging Face's "rotate half" layout; angles as kernels in model/fused.py compute them)
+            (Hugging Face's "rotate half" layout; cos and sin from the step's tables, as the
+            rope kernel in model/fused.py reads them)
   SILU_MUL  out[m, i] = silu(gate_i) · up_i over a [gate | up] weight, [M, N / 2]
 """
 
@@ -45,10 +46,27 @@ def output_columns(tile, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HALF:
 
 
 @triton.jit
-def finish(acc, bias_ptr, out_ptr, positions_ptr, inv_freq_ptr, tile, cols, rows, col_ok, row_ok,
+def rotation(cos_ptr, sin_ptr, tile, rows, row_ok, EPILOGUE: tl.constexpr, HALF: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """ROPE: the cos and sin [PAIRS, M_PAD] of the block's pairs from the step's tables
+    ([M, HALF] fp32, model/fused.rope_tables); loaded before the K loop, so their latency hides
+    behind it. Other epilogues: placeholders."""
+    if EPILOGUE == ROPE:
+        PAIRS: tl.constexpr = BLOCK_N // 2
+        freq = (tile % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
+        offsets = rows[None, :].to(tl.int64) * HALF + freq[:, None]
+        return (tl.load(cos_ptr + offsets, mask=row_ok[None, :], other=1.0),
+                tl.load(sin_ptr + offsets, mask=row_ok[None, :], other=0.0))
+    else:
+        return 1.0, 0.0
+
+
+@triton.jit
+def finish(acc, bias_ptr, out_ptr, cos, sin, tile, cols, rows, col_ok, row_ok,
            stride_om, rotated_features, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
            HALF: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr):
-    """Store the fp32 block acc [BLOCK_N, M_PAD] of output features `cols` for `rows`."""
+    """Store the fp32 block acc [BLOCK_N, M_PAD] of output features `cols` for `rows`; cos, sin
+    from `rotation`."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     dtype = out_ptr.dtype.element_ty
@@ -64,11 +82,7 @@ def finish(acc, bias_ptr, out_ptr, positions_ptr, inv_freq_ptr, tile, cols, rows
         if EPILOGUE == ROPE:
             TILES_PER_HALF: tl.constexpr = HALF // PAIRS
             head_start = (tile // TILES_PER_HALF) * (2 * HALF)
-            freq = (tile % TILES_PER_HALF) * PAIRS + index
-            first_cols = head_start + freq
-            position = tl.load(positions_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-            angle = position[None, :] * tl.load(inv_freq_ptr + freq)[:, None]
-            cos, sin = tl.cos(angle), tl.sin(angle)
+            first_cols = head_start + (tile % TILES_PER_HALF) * PAIRS + index
             # v heads (past the rotated features) pass through unrotated
             rotate = head_start < rotated_features
             new_first = tl.where(rotate, first * cos - second * sin, first)

@@ -61,19 +61,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                positions: torch.Tensor, inv_freq: torch.Tensor, head_dim: int,
+                cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                 rotated_features: int) -> torch.Tensor | None:
     """The qkv product with its first `rotated_features` features (q and k heads) rotated by
-    rope in the skinny GEMM's epilogue (gemv_epilogues.py), or None where that kernel does not
-    take the product: then the caller runs `linear` and its rope."""
+    rope (the step's cos/sin tables [T, head_dim / 2] fp32) in the skinny GEMM's epilogue
+    (gemv_epilogues.py), or None where that kernel does not take the product: then the caller
+    runs `linear` and its rope."""
     if not _skinny_gemm_may_take(x):
         return None
     from .gemv import epilogue_config, gemv_rope
 
-    config = epilogue_config(x, weight, head_dim // 2)
+    config = epilogue_config(x, weight, head_dim // 2, "rope")
     if config is None:
         return None
-    return gemv_rope(x, weight, bias, positions, inv_freq, head_dim, rotated_features, config)
+    return gemv_rope(x, weight, bias, cos, sin, head_dim, rotated_features, config)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
@@ -84,7 +85,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
         return None
     from .gemv import epilogue_config, gemv_silu_mul
 
-    config = epilogue_config(x, weight, weight.shape[0] // 2)
+    config = epilogue_config(x, weight, weight.shape[0] // 2, "silu")
     return None if config is None else gemv_silu_mul(x, weight, bias, config)
 
 

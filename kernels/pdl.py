@@ -60,3 +60,16 @@ def wait_for_inputs(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
+
+
+@triton.jit
+def wait_only(USE_PDL: tl.constexpr):
+    """`wait_for_inputs` without letting the next kernel launch yet (`let_dependents_launch`)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def let_dependents_launch(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()

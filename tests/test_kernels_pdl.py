@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from raypaged.kernels import pdl
-from raypaged.kernels.gemv import gemv_triton
+from raypaged.kernels import gemv
+from raypaged.kernels.gemv import epilogue_config, gemv_rope, gemv_silu_mul, gemv_triton
 from raypaged.kernels.paged_decode import paged_decode_triton
 from raypaged.kernels.testing import random_paged_batch
-from raypaged.model.fused import add_rms_norm, rope_in_place, silu_and_mul
+from raypaged.model.fused import add_rms_norm, rope_in_place, rope_tables, silu_and_mul
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_never_on_cpu_and_off_when_turned_off(pdl_env, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper-class GPU")
-def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env):
+def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     dtype, dev = torch.bfloat16, "cuda"
     batch = random_paged_batch([300, 1000], 8, 128, 16, dtype, dev, generator=gen)
@@ -69,18 +70,26 @@ def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env):
     def step() -> list[torch.Tensor]:
         normed, summed = add_rms_norm(hidden, residual, norm_weight, 1e-5)
         qkv = gemv_triton(normed, weight)
+        cos, sin = rope_tables(positions, inv_freq)
         q, k = qkv[:, :4096].reshape(2, 32, 128), qkv[:, 4096:5120].reshape(2, 8, 128)
-        rope_in_place(q, k, positions, inv_freq)
+        rope_in_place(q, k, cos, sin)
         attn = paged_decode_triton(q.contiguous(), batch.k_cache, batch.v_cache, batch.block_tables,
                                    batch.seq_lens, 1 / math.sqrt(128), max_seq_len=1024)
         split = gemv_triton(normed, up, split_k=4)  # its partials meet through atomics
-        return [summed, attn, silu_and_mul(gemv_triton(attn.reshape(2, 4096), up)), split]
+        # the fused epilogues, and a GEMM right after a GEMM
+        rotated = gemv_rope(normed, weight, None, cos, sin, 128, 5120,
+                            epilogue_config(normed, weight, 64, "rope"))
+        activated = gemv_silu_mul(attn.reshape(2, 4096), up, None,
+                                  epilogue_config(normed, up, 1024, "silu"))
+        return [summed, attn, silu_and_mul(gemv_triton(attn.reshape(2, 4096), up)), split, rotated,
+                gemv_triton(activated, weight[:, :1024].contiguous())]
 
     results = {}
     assert pdl._triton_has_pdl()
-    for setting in ("0", "1"):
-        pdl_env(setting)
-        assert pdl.pdl_launch(hidden)["USE_PDL"] == (setting == "1")
+    for setting in ("0", "1", "1 end"):  # "end": the GEMMs let the next kernel launch at their end
+        pdl_env(setting[0])
+        monkeypatch.setenv(gemv.TRIGGER_ENV_VAR, "end" if setting.endswith("end") else "start")
+        assert pdl.pdl_launch(hidden)["USE_PDL"] == (setting[0] == "1")
         step()  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -89,5 +98,5 @@ def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env):
         graph.replay()
         torch.cuda.synchronize()
         results[setting] = [t.clone() for t in outputs]
-    for off, on in zip(results["0"], results["1"]):
-        assert torch.equal(off, on)
+    for off, on, on_end in zip(results["0"], results["1"], results["1 end"]):
+        assert torch.equal(off, on) and torch.equal(off, on_end)

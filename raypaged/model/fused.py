@@ -143,8 +143,36 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rope_table_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr,
+                       HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_inputs(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    mask = dims < HALF
+    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + dims, mask=mask)
+    tl.store(cos_ptr + token * HALF + dims, tl.cos(angle), mask=mask)
+    tl.store(sin_ptr + token * HALF + dims, tl.sin(angle), mask=mask)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position · inv_freq, fp32 [T, D/2]: computed once a step, read by every
+    layer's rope (here, or in the qkv GEMM's epilogue, kernels/gemv_epilogues.py), which then
+    does no trigonometry of its own (in a GEMM's epilogue it made ptxas keep local memory and
+    cost 2-10 µs a layer on the H200, 12e0e04)."""
+    tokens, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(tokens, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if tokens:
+        _rope_table_kernel[(tokens,)](
+            positions, inv_freq, cos, sin, HALF=half, HALF_PAD=triton.next_power_of_2(half),
+            num_warps=1, **pdl_launch(positions),
+        )
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, positions_ptr, inv_freq_ptr,
+    q_ptr, k_ptr, cos_ptr, sin_ptr,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head,
     num_q_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -157,8 +185,8 @@ def _rope_kernel(
         base = k_ptr + token * stride_k_token + (head - num_q_heads) * stride_k_head
     dims = tl.arange(0, HALF_PAD)
     mask = dims < HALF
-    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + dims, mask=mask)
-    cos, sin = tl.cos(angle), tl.sin(angle)
+    cos = tl.load(cos_ptr + token * HALF + dims, mask=mask)
+    sin = tl.load(sin_ptr + token * HALF + dims, mask=mask)
     # "rotate half" layout: dims i and i + D/2 form one rotated pair.
     x1 = tl.load(base + dims, mask=mask)
     x2 = tl.load(base + HALF + dims, mask=mask)
@@ -167,17 +195,16 @@ def _rope_kernel(
     tl.store(base + HALF + dims, (b * cos + a * sin).to(x1.dtype), mask=mask)
 
 
-def rope_in_place(
-    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
-) -> None:
-    """Rotate query [T, Hq, D] and key [T, Hkv, D] (views, last dim contiguous) in place."""
+def rope_in_place(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate query [T, Hq, D] and key [T, Hkv, D] (views, last dim contiguous) in place by the
+    tables of `rope_tables` ([T, D/2] fp32, contiguous)."""
     tokens, num_q_heads, head_dim = query.shape
     if query.stride(-1) != 1 or key.stride(-1) != 1:
         raise ValueError("rope_in_place needs the head dim contiguous")
     if tokens:
         half = head_dim // 2
         _rope_kernel[(tokens, num_q_heads + key.shape[1])](
-            query, key, positions, inv_freq,
+            query, key, cos, sin,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
             num_q_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=1,
             **pdl_launch(query),

@@ -183,11 +183,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _shard(self, shard: object) -> OutputShard:
         return self.shards[self.SHARD_NAMES.index(shard)]  # type: ignore[arg-type]
 
-    def rotated(self, x: torch.Tensor, positions: torch.Tensor,
-                inv_freq: torch.Tensor) -> torch.Tensor | None:
-        """x's product with q and k rotated by rope (positions [T], inv_freq [D/2]) as the skinny
+    def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """x's product with q and k rotated by rope (the step's cos/sin [T, D/2]) as the skinny
         GEMM stores them, or None where that kernel does not take the product."""
-        return ops.linear_rope(x, self.weight, self.bias, positions, inv_freq, self.head_dim,
+        return ops.linear_rope(x, self.weight, self.bias, cos, sin, self.head_dim,
                                (self.num_heads + self.num_kv_heads) * self.head_dim)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -55,8 +55,8 @@ class LlamaAttention(nn.Module):
         self, rope: StepRotary, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated."""
-        if rope.cos is None:  # rope on the kernels' path: the GEMM may rotate as it stores
-            qkv = self.qkv_proj.rotated(hidden, rope.positions, rope.inv_freq)
+        if rope.on_kernels:  # the GEMM may rotate as it stores
+            qkv = self.qkv_proj.rotated(hidden, rope.cos, rope.sin)
             if qkv is not None:
                 return self.qkv_proj.split(qkv)
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))

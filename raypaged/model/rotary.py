@@ -5,7 +5,8 @@ cos/sin are computed per step from the positions instead of looked up in a preco
 [max_position, head_dim] table: the cost is T·D/2 cosines (negligible next to attention), there is
 no table to size against max_position_embeddings, and on the torch path the arithmetic is exactly
 Hugging Face's (fp32 `position * inv_freq`, then cast to the activation dtype), so fp32 logits
-match it tightly. On CUDA one fused kernel computes the angles and rotates q and k in place.
+match it tightly. On CUDA one kernel computes the step's cos/sin [T, D/2] once, and every layer's
+rope (a kernel rotating q and k in place, or the qkv GEMM's epilogue) reads them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from .config import RopeConfig
-from .fused import rope_in_place, use_triton
+from .fused import rope_in_place, rope_tables, use_triton
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -64,19 +65,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
         """The rotation of this step's tokens, computed once and shared by every layer."""
-        if use_triton(positions):  # the fused kernel computes its angles itself
-            return StepRotary(positions, self.inv_freq, None, None)
+        if use_triton(positions):
+            return StepRotary(*rope_tables(positions, self.inv_freq), on_kernels=True)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return StepRotary(positions, self.inv_freq, angles.cos().to(dtype), angles.sin().to(dtype))
+        return StepRotary(angles.cos().to(dtype), angles.sin().to(dtype), on_kernels=False)
 
 
 @dataclass(frozen=True)
 class StepRotary:
-    positions: torch.Tensor  # [T] int64
-    inv_freq: torch.Tensor  # [D/2] fp32
-    cos: torch.Tensor | None  # [T, 1, D] in the activation dtype (torch path only)
-    sin: torch.Tensor | None
+    # The kernels' path: [T, D/2] fp32 (fused.rope_tables). The torch path: [T, 1, D] in the
+    # activation dtype, transformers' arithmetic.
+    cos: torch.Tensor
+    sin: torch.Tensor
+    on_kernels: bool
 
     def apply(
         self, query: torch.Tensor, key: torch.Tensor
@@ -85,8 +87,8 @@ class StepRotary:
 
         On the fused path they are rotated in place (they are views into the qkv output).
         """
-        if self.cos is None or self.sin is None:
-            rope_in_place(query, key, self.positions, self.inv_freq)
+        if self.on_kernels:
+            rope_in_place(query, key, self.cos, self.sin)
             return query, key
         return (
             query * self.cos + _rotate_half(query) * self.sin,
