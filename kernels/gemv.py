@@ -54,7 +54,8 @@ _CONFIG_FIELDS = {"block_n", "block_k", "num_warps", "num_stages", "split_k"}
 # Which fused epilogues ops may use ("rope,silu"; "0" or "": none), for measuring them against
 # the separate kernels.
 EPILOGUES_ENV_VAR = "RAYPAGED_GEMM_EPILOGUES"
-# With PDL, where the GEMM lets the next kernel launch: "start" (as every kernel) or "end".
+# With PDL, where the GEMM lets the next kernel launch: "end" (the default) or "start" (as every
+# other kernel does). See the kernel's docstring.
 TRIGGER_ENV_VAR = "RAYPAGED_GEMM_TRIGGER"
 # Arrival counters per device: one per block of output features of a split-K launch.
 _MAX_SPLIT_TILES = 1 << 14
@@ -333,7 +334,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         EPILOGUE=epilogue,
         HALF=half,
         DOT_MODE=dot_mode(x),
-        TRIGGER_AT_END=os.environ.get(TRIGGER_ENV_VAR, "start") == "end",
+        TRIGGER_AT_END=os.environ.get(TRIGGER_ENV_VAR, "end") == "end",
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **pdl_launch(x),

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 8 (~6 minutes): the engine's decode step at batch 1, 8, 64 (context 1,024, async, in
+# process), three settings taken in turn, twice:
+#   before   RAYPAGED_GEMM_EPILOGUES=0 RAYPAGED_GEMM_TRIGGER=start (the tree before c194913)
+#   now      the defaults: rope and SwiGLU in the GEMM's epilogue, GEMMs let the next kernel
+#            launch at their end (scripts/gpu_epilogues_trace.sh found why, 7821cca)
+#   o_kernel the defaults with the o projection at 64 rows on the kernel, not cuBLAS (the
+#            table's entry edited for the run): does leaving cuBLAS out of the PDL chain pay?
+# then `now` at batch 1, 8, 64, 256 for the README's table.
+#   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_epilogues_ab.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu_setup.sh"
+TABLE=kernels/configs/gemv_nvidia_h200.json
+cp "$TABLE" /tmp/table.json
+engine() {  # name batch-sizes [env...]
+    local name=$1 batches=$2
+    shift 2
+    mkdir -p "$OUT_DIR/$name"
+    echo "== $name"
+    env "$@" timeout 110 python3 benchmarks/bench_engine.py --shape 8b --executors uni --scheduling async \
+        --batch-sizes "$batches" --context 1024 --decode-steps 50 --throughput-batch 8 --prompt-len 64 \
+        --output-len 32 --out "$OUT_DIR/$name" 2>&1 | quiet | grep "decode step\|copy bandwidth"
+}
+o_on_kernel() {
+    python3 - "$TABLE" <<'PY'
+import json, sys
+table = json.load(open(sys.argv[1]))
+for entry in table["entries"]:
+    if (entry["out"], entry["in"], entry["rows"]) == (4096, 4096, 64):
+        entry["backend"] = "triton"
+json.dump(table, open(sys.argv[1], "w"), indent=1)
+PY
+}
+for run in 1 2; do
+    engine "before_$run" 1,8,64 RAYPAGED_GEMM_EPILOGUES=0 RAYPAGED_GEMM_TRIGGER=start
+    engine "now_$run" 1,8,64
+    o_on_kernel
+    engine "o_kernel_$run" 1,8,64
+    cp /tmp/table.json "$TABLE"
+done
+engine now_all 1,8,64,256
