@@ -54,8 +54,8 @@ _CONFIG_FIELDS = {"block_n", "block_k", "num_warps", "num_stages", "split_k"}
 # Which fused epilogues ops may use ("rope,silu"; "0" or "": none), for measuring them against
 # the separate kernels.
 EPILOGUES_ENV_VAR = "RAYPAGED_GEMM_EPILOGUES"
-# With PDL, where the GEMM lets the next kernel launch: "end" (the default) or "start" (as every
-# other kernel does). See the kernel's docstring.
+# With PDL, where every GEMM lets the next kernel launch, for measuring: "start" or "end" (unset:
+# `_dependents_at_end`).
 TRIGGER_ENV_VAR = "RAYPAGED_GEMM_TRIGGER"
 # Arrival counters per device: one per block of output features of a split-K launch.
 _MAX_SPLIT_TILES = 1 << 14
@@ -303,6 +303,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{tuple(weight.shape)} {weight.dtype}")
 
 
+def _dependents_at_end(epilogue: int) -> bool:
+    """Under PDL, whether the GEMM lets the next kernel launch at its end rather than its start.
+
+    At the start, as every other kernel does, the next kernel's launch overlaps this one. But
+    when the next kernel is a GEMM too, its programs then take SMs as this one's last wave frees
+    them, and crowd where they land: on the H200 at batch 1 a down projection launched that way
+    behind the gate/up GEMM with the SwiGLU epilogue added 34.5 µs a layer to the step, 30.2 when
+    launched at that GEMM's end (7821cca, scripts/gpu_epilogues_trace.sh). Letting every GEMM
+    trigger at its end cost 1.6 µs a layer at batch 1 instead. So only the SwiGLU-epilogue GEMM,
+    whose output goes straight into the down projection, triggers at its end."""
+    forced = os.environ.get(TRIGGER_ENV_VAR)
+    if forced in ("start", "end"):
+        return forced == "end"
+    return epilogue == SILU_MUL
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: dict, tiles: int, epilogue: int = PLAIN, cos: torch.Tensor | None = None,
             sin: torch.Tensor | None = None, rotated_features: int = 0, half: int = 1) -> None:
@@ -334,7 +350,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         EPILOGUE=epilogue,
         HALF=half,
         DOT_MODE=dot_mode(x),
-        TRIGGER_AT_END=os.environ.get(TRIGGER_ENV_VAR, "end") == "end",
+        TRIGGER_AT_END=_dependents_at_end(epilogue),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **pdl_launch(x),

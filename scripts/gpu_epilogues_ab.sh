@@ -2,12 +2,14 @@
 # Issue 8 (~6 minutes): the engine's decode step at batch 1, 8, 64 (context 1,024, async, in
 # process), three settings taken in turn, twice:
 #   before   RAYPAGED_GEMM_EPILOGUES=0 RAYPAGED_GEMM_TRIGGER=start (the tree before c194913)
-#   now      the defaults: rope and SwiGLU in the GEMM's epilogue, GEMMs let the next kernel
-#            launch at their end (scripts/gpu_epilogues_trace.sh found why, 7821cca)
+#   now      the defaults: rope and SwiGLU in the GEMM's epilogue, the SwiGLU one letting the
+#            down projection launch at its end (gemv._dependents_at_end)
 #   o_kernel the defaults with the o projection at 64 rows on the kernel, not cuBLAS (the
 #            table's entry edited for the run): does leaving cuBLAS out of the PDL chain pay?
 # then `now` at batch 1, 8, 64, 256 for the README's table.
-#   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_epilogues_ab.sh
+#   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_epilogues_ab.sh [o_kernel]
+#   2c836ae (every GEMM triggering at its end): before / now / o_kernel, twice, in one call
+#   later: before / now only (o_kernel was no faster), unless `o_kernel` is given
 set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
 TABLE=kernels/configs/gemv_nvidia_h200.json
@@ -31,11 +33,13 @@ for entry in table["entries"]:
 json.dump(table, open(sys.argv[1], "w"), indent=1)
 PY
 }
-for run in 1 2; do
+for run in 1 2 3; do
     engine "before_$run" 1,8,64 RAYPAGED_GEMM_EPILOGUES=0 RAYPAGED_GEMM_TRIGGER=start
     engine "now_$run" 1,8,64
-    o_on_kernel
-    engine "o_kernel_$run" 1,8,64
-    cp /tmp/table.json "$TABLE"
+    if [ "${1:-}" = o_kernel ]; then
+        o_on_kernel
+        engine "o_kernel_$run" 1,8,64
+        cp /tmp/table.json "$TABLE"
+    fi
 done
 engine now_all 1,8,64,256
