@@ -51,6 +51,8 @@ MAX_ROWS = 64
 # faster than cuBLAS from 1 to 16 rows on every 8B shape on the H200 (gemv_h200.json).
 DEFAULT_ROWS = 16
 _CONFIG_FIELDS = {"block_n", "block_k", "num_warps", "num_stages", "split_k"}
+# Steps of fewer rows run rope and SwiGLU as separate kernels (see epilogue_config).
+EPILOGUE_MIN_ROWS = DEFAULT_ROWS + 1
 # Which fused epilogues ops may use ("rope,silu"; "0" or "": none), for measuring them against
 # the separate kernels.
 EPILOGUES_ENV_VAR = "RAYPAGED_GEMM_EPILOGUES"
@@ -204,24 +206,23 @@ def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, name: str
     gemv_silu_mul) whose pairs of output features lie `group` features apart (head_dim / 2; the
     intermediate size), or None where it should run as the GEMM and a separate kernel.
 
-    Where the kernel would take the plain product it takes the fused one with the same config.
-    Where the tuned table chose cuBLAS it takes it too, with the best config the sweep found for
-    the kernel: the separate kernel it saves costs more than the table's margin (at 64 rows on
-    the H200, qkv 3.08 vs 3.17 TB/s: 0.5 µs a layer against a ~3 µs rope kernel). block_n
-    narrows until its halves divide `group`; it must stay 16 or more (tl.dot's minimum)."""
-    if not supports(x, weight) or name not in os.environ.get(EPILOGUES_ENV_VAR, "rope,silu").split(","):
+    Only from EPILOGUE_MIN_ROWS rows, and only where the device's tuned table has the shape,
+    with the best config the sweep found for the kernel, even where the table chose cuBLAS for
+    the plain product: the separate kernel it saves costs more than the table's margin. Measured
+    on the H200 (b4f6e07, scripts/gpu_epilogues_ab.sh, three runs each): batch 64 6.48-6.52 ms a
+    step with them against 6.66-6.70 without; batch 1 4.26-4.27 against 4.22-4.24 and batch 8
+    4.60-4.63 against 4.63-4.64, hence the floor on rows. block_n narrows until its halves divide
+    `group`; it must stay 16 or more (tl.dot's minimum)."""
+    if (not supports(x, weight) or x.shape[0] < EPILOGUE_MIN_ROWS
+            or name not in os.environ.get(EPILOGUES_ENV_VAR, "rope,silu").split(",")):
         return None
     entry = _tuned(x, weight)
-    if entry is not None:
-        config = entry["config"]
-    elif x.shape[0] <= DEFAULT_ROWS:
-        config = _default_for(x, weight)
-    else:
+    if entry is None:
         return None
-    block_n = config["block_n"]
+    block_n = entry["config"]["block_n"]
     while block_n >= 16 and group % (block_n // 2):
         block_n //= 2
-    return {**config, "block_n": block_n} if block_n >= 16 else None
+    return {**entry["config"], "block_n": block_n} if block_n >= 16 else None
 
 
 @functools.lru_cache(maxsize=None)

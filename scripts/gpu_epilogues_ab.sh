@@ -9,7 +9,8 @@
 # then `now` at batch 1, 8, 64, 256 for the README's table.
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_epilogues_ab.sh [o_kernel]
 #   2c836ae (every GEMM triggering at its end): before / now / o_kernel, twice, in one call
-#   later: before / now only (o_kernel was no faster), unless `o_kernel` is given
+#   later: before / now only (o_kernel was no faster), unless `o_kernel` is given; REPS=2 at
+#   the last call (after the GEMM tests)
 set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
 TABLE=kernels/configs/gemv_nvidia_h200.json
@@ -33,7 +34,9 @@ for entry in table["entries"]:
 json.dump(table, open(sys.argv[1], "w"), indent=1)
 PY
 }
-for run in 1 2 3; do
+timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py \
+    tests/test_kernels_pdl.py 2>&1 | tail -3 | tee "$OUT_DIR/gpu_tests_gemv.log"
+for run in $(seq "${REPS:-3}"); do
     engine "before_$run" 1,8,64 RAYPAGED_GEMM_EPILOGUES=0 RAYPAGED_GEMM_TRIGGER=start
     engine "now_$run" 1,8,64
     if [ "${1:-}" = o_kernel ]; then

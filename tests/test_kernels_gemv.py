@@ -207,23 +207,33 @@ def test_silu_epilogue_is_the_gemm_then_silu_and_mul(dtype, rows, block_n, split
 
 def test_epilogue_config_pairs_features_or_declines(monkeypatch):
     weight = torch.zeros(256, 64)
+    rows = gemv.EPILOGUE_MIN_ROWS
     monkeypatch.setattr(gemv, "_tuned", lambda x, w: None)
-    default = default_config(256, 64, 4, rows=1)
-    assert epilogue_config(torch.zeros(1, 64), weight, 64, "rope") == default  # block_n 64: 32 | 64
-    assert epilogue_config(torch.zeros(1, 64), weight, 8, "silu")["block_n"] == 16  # narrowed
-    assert epilogue_config(torch.zeros(1, 64), weight, 12, "rope") is None  # pairs of 4 < 16 / 2
-    assert epilogue_config(torch.zeros(gemv.DEFAULT_ROWS + 1, 64), weight, 64, "rope") is None
+    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "rope") is None  # not measured here
     # where the table chose cuBLAS for the plain product the fused one still takes its config
     tuned = {"block_n": 128, "block_k": 32, "num_warps": 4, "num_stages": 2, "split_k": 2}
     monkeypatch.setattr(gemv, "_tuned", lambda x, w: {"backend": "cublas", "config": tuned})
-    assert gemv.launch_config(torch.zeros(40, 64), weight) is None
-    assert epilogue_config(torch.zeros(40, 64), weight, 64, "silu") == tuned
-    assert epilogue_config(torch.zeros(40, 64), weight, 16, "rope") == dict(tuned, block_n=32)
+    assert gemv.launch_config(torch.zeros(rows, 64), weight) is None
+    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") == tuned
+    assert epilogue_config(torch.zeros(rows, 64), weight, 16, "rope") == dict(tuned, block_n=32)
+    assert epilogue_config(torch.zeros(rows, 64), weight, 8, "rope") == dict(tuned, block_n=16)
+    assert epilogue_config(torch.zeros(rows, 64), weight, 12, "rope") is None  # pairs of 4 < 16 / 2
+    assert epilogue_config(torch.zeros(rows - 1, 64), weight, 64, "silu") is None  # too few rows
+    assert epilogue_config(torch.zeros(MAX_ROWS + 1, 64), weight, 64, "silu") is None
     monkeypatch.setenv(gemv.EPILOGUES_ENV_VAR, "silu")
-    assert epilogue_config(torch.zeros(40, 64), weight, 64, "rope") is None
-    assert epilogue_config(torch.zeros(40, 64), weight, 64, "silu") == tuned
+    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "rope") is None
+    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") == tuned
     monkeypatch.setenv(gemv.EPILOGUES_ENV_VAR, "0")
-    assert epilogue_config(torch.zeros(40, 64), weight, 64, "silu") is None
+    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") is None
+
+
+def test_the_swiglu_epilogue_lets_the_down_projection_launch_at_its_end(monkeypatch):
+    assert gemv._dependents_at_end(gemv.SILU_MUL)
+    assert not gemv._dependents_at_end(gemv.ROPE) and not gemv._dependents_at_end(gemv.PLAIN)
+    monkeypatch.setenv(gemv.TRIGGER_ENV_VAR, "end")
+    assert gemv._dependents_at_end(gemv.PLAIN)
+    monkeypatch.setenv(gemv.TRIGGER_ENV_VAR, "start")
+    assert not gemv._dependents_at_end(gemv.SILU_MUL)
 
 
 def test_epilogues_refuse_blocks_that_split_a_pair():
@@ -262,13 +272,17 @@ def test_gpu_bf16_8b_shapes(rows, shape):
 def test_gpu_bf16_epilogues_8b_shapes(rows):
     # the 8B's qkv (32 q and 8 kv heads of 128) and gate/up (14336), with the configs the engine
     # launches them with on this device
-    x = torch.zeros(rows, 4096, dtype=torch.bfloat16, device="cuda")
-    qkv = epilogue_config(x, torch.zeros(6144, 4096, dtype=torch.bfloat16, device="cuda"), 64, "rope")
+    def config(out_features: int, group: int, name: str) -> dict:
+        x = torch.zeros(rows, 4096, dtype=torch.bfloat16, device="cuda")
+        weight = torch.zeros(out_features, 4096, dtype=torch.bfloat16, device="cuda")
+        # below EPILOGUE_MIN_ROWS the engine does not fuse; the kernel must still be right
+        return epilogue_config(x, weight, group, name) or default_config(out_features, 4096, 2,
+                                                                         rows=rows)
+
+    qkv = config(6144, 64, "rope")
     check_rope_epilogue(rows, 32, 8, 128, torch.bfloat16, False, qkv, "cuda", 4096)
     check_rope_epilogue(rows, 32, 8, 128, torch.bfloat16, True, dict(qkv, split_k=2), "cuda", 4096)
-    gate_up = epilogue_config(x, torch.zeros(28672, 4096, dtype=torch.bfloat16, device="cuda"), 14336,
-                              "silu")
-    check_silu_epilogue(rows, 14336, torch.bfloat16, False, gate_up, "cuda", 4096)
+    check_silu_epilogue(rows, 14336, torch.bfloat16, False, config(28672, 14336, "silu"), "cuda", 4096)
 
 
 @pytest.mark.gpu

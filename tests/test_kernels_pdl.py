@@ -15,7 +15,7 @@ import torch
 
 from raypaged.kernels import pdl
 from raypaged.kernels import gemv
-from raypaged.kernels.gemv import epilogue_config, gemv_rope, gemv_silu_mul, gemv_triton
+from raypaged.kernels.gemv import default_config, gemv_rope, gemv_silu_mul, gemv_triton
 from raypaged.kernels.paged_decode import paged_decode_triton
 from raypaged.kernels.testing import random_paged_batch
 from raypaged.model.fused import add_rms_norm, rope_in_place, rope_tables, silu_and_mul
@@ -77,10 +77,8 @@ def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env, monkeypatch)
                                    batch.seq_lens, 1 / math.sqrt(128), max_seq_len=1024)
         split = gemv_triton(normed, up, split_k=4)  # its partials meet through atomics
         # the fused epilogues, and a GEMM right after a GEMM
-        rotated = gemv_rope(normed, weight, None, cos, sin, 128, 5120,
-                            epilogue_config(normed, weight, 64, "rope"))
-        activated = gemv_silu_mul(attn.reshape(2, 4096), up, None,
-                                  epilogue_config(normed, up, 1024, "silu"))
+        rotated = gemv_rope(normed, weight, None, cos, sin, 128, 5120, default_config(6144, 4096, 2))
+        activated = gemv_silu_mul(attn.reshape(2, 4096), up, None, default_config(2048, 4096, 2))
         return [summed, attn, silu_and_mul(gemv_triton(attn.reshape(2, 4096), up)), split, rotated,
                 gemv_triton(activated, weight[:, :1024].contiguous())]
 
