@@ -4,7 +4,7 @@ Folding rope into it (one program per token rotating all of its q and k heads, t
 rotated K) was built and measured at f1d76b4: the 8B decode step on the H200 took 4.35 ms at
 batch 1 and 6.87 at batch 64, against 4.24–4.32 and 6.71–6.96 without it in that session's
 other runs — no gain (at batch 1 one program serialises what the rope kernel spreads over 40
-heads' programs). Reverted; a version would need a program per head group."""
+heads' programs). Reverted; rope went into the qkv GEMM's epilogue instead (gemv_epilogues.py)."""
 
 from __future__ import annotations
 

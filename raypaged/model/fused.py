@@ -2,7 +2,10 @@
 
 Unfused, each is 4–10 small kernels; in a decode step, where the GEMMs only stream weights, those
 launches and round trips cost as much as a third of the step on an H200. So on CUDA each runs as
-one Triton kernel (one program per token row), and RoPE rotates q and k in place.
+one Triton kernel (one program per token row), and RoPE rotates q and k in place by cos/sin
+tables computed once a step. In steps of 17-64 rows where the GPU's GEMM table has the shapes,
+SiLU·mul and RoPE run in the epilogue of the GEMM before them instead (kernels/gemv_epilogues.py,
+called through layers.py), with the same arithmetic.
 
 On CPU the torch versions run: they are transformers' exact arithmetic (round to the activation
 dtype where transformers does), which the CPU tests compare against tightly. The Triton versions
