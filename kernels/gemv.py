@@ -273,10 +273,14 @@ def gemv_rope(
     """The qkv product [M, N] with its first `rotated_features` features (the q and k heads, of
     head_dim each) rotated by rope, by the step's tables cos, sin [M, head_dim / 2] (fp32,
     contiguous; model/fused.rope_tables).
-    `config` from `epilogue_config(x, weight, head_dim // 2)`: its block_n pairs features within
-    a head."""
+    `config` from `epilogue_config(x, weight, head_dim // 2, "rope")`: its block_n pairs features
+    within a head."""
     _check(x, weight)
     half = head_dim // 2
+    for table in (cos, sin):
+        if table.shape != (x.shape[0], half) or not table.is_contiguous() or table.dtype != torch.float32:
+            raise ValueError(f"rope tables must be fp32 [{x.shape[0]}, {half}], contiguous; got "
+                             f"{tuple(table.shape)} {table.dtype}")
     if weight.shape[0] % head_dim or half % (config["block_n"] // 2):
         raise ValueError(f"block_n {config['block_n']} does not pair the features of heads of "
                          f"{head_dim} over {weight.shape[0]} outputs")
@@ -289,7 +293,7 @@ def gemv_rope(
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   config: dict) -> torch.Tensor:
     """silu(gate) * up of the product with a [gate | up] weight [2I, K] -> [M, I]. `config`
-    from `epilogue_config(x, weight, I)`."""
+    from `epilogue_config(x, weight, I, "silu")`."""
     _check(x, weight)
     intermediate = weight.shape[0] // 2
     pairs = config["block_n"] // 2
@@ -313,7 +317,8 @@ def _dependents_at_end(epilogue: int) -> bool:
 
     At the start, as every other kernel does, the next kernel's launch overlaps this one. But
     when the next kernel is a GEMM too, its programs then take SMs as this one's last wave frees
-    them, and crowd where they land: on the H200 at batch 1 a down projection launched that way
+    them (our reading: they crowd onto the first ones freed), and on the H200 at batch 1 a down
+    projection launched that way
     behind the gate/up GEMM with the SwiGLU epilogue added 34.5 µs a layer to the step, 30.2 when
     launched at that GEMM's end (7821cca, scripts/gpu_epilogues_trace.sh). Letting every GEMM
     trigger at its end cost 1.6 µs a layer at batch 1 instead. So only the SwiGLU-epilogue GEMM,

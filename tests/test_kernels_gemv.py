@@ -241,6 +241,8 @@ def test_epilogues_refuse_blocks_that_split_a_pair():
     with pytest.raises(ValueError, match="does not pair the features of heads"):
         gemv_rope(x, weight, None, torch.ones(2, 16), torch.zeros(2, 16), 32, 64,
                   dict(_SMALL, block_n=64))  # half a head is 16 features: 32-wide halves span two
+    with pytest.raises(ValueError, match="rope tables must be fp32"):
+        gemv_rope(x, weight, None, torch.ones(3, 16), torch.zeros(3, 16), 32, 64, _SMALL)
     with pytest.raises(ValueError, match="does not pair gate and up"):
         gemv_silu_mul(x, weight, None, dict(_SMALL, block_n=64))  # 48 % 32
     with pytest.raises(TypeError, match="unknown config fields"):

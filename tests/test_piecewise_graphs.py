@@ -160,6 +160,27 @@ def test_the_pieces_are_bitwise_the_forward(name, kind):
     assert_same_run(eager, piecewise, bitwise=True)
 
 
+def test_the_pieces_are_bitwise_the_forward_on_the_kernels_path():
+    """The same through the Triton kernels (the interpreter): the rope tables piece 0 computes
+    and keeps for the other pieces ([T, D/2] fp32 on this path) rotate as the forward's do."""
+    from raypaged.kernels import ops
+    from raypaged.model import fused
+
+    model = our_model("llama")[0]
+    counting = CountingModel(model)
+    ops.set_backend("triton")
+    fused.set_force_triton(True)
+    try:
+        eager = run("llama", counting, mixed_schedule("llama"))
+        pieces = PiecewiseModel(model, counting.step_tokens)
+        piecewise = run("llama", pieces, mixed_schedule("llama"))
+    finally:
+        fused.set_force_triton(False)
+        ops.set_backend("auto")
+    assert pieces.graphs.rope_on_kernels and pieces.graphs.rope_cos.dtype == torch.float32
+    assert_same_run(eager, piecewise, bitwise=True)
+
+
 @pytest.mark.parametrize("name, kind", SCHEDULES)
 def test_padded_rows_never_reach_the_real_ones(name, kind):
     """Steps padded to buckets 8, 16, 32, 48, 64: whatever the padded rows hold (NaN, or random

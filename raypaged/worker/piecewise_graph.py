@@ -6,14 +6,15 @@ mixed step on the H200), while the full decode graphs (cuda_graph.py) cannot tak
 its attention's launch sizes depend on the step's query lengths. So the forward is cut at each
 attention call (LlamaModel.pre_attention / post_attention, the same code the eager forward runs):
 
-    piece 0      embedding, layer 0's input norm, QKV, rope
+    piece 0      embedding, the step's rope angles, layer 0's input norm, QKV, rope
     piece i      layer i-1's o_proj, add & norm, MLP; layer i's add & norm, QKV, rope
     piece L      layer L-1's o_proj, add & norm, MLP; final norm
 
 and each piece is captured once per padded token count (bucket). Pieces hand their results to
 the next through static buffers sized for the largest bucket: q/k/v and the residual stream out
-of a piece, the attention output into the next. Copying into the buffers costs a few small
-kernels per piece; holding each graph's own outputs instead would pin ~1 GB per bucket at 8B.
+of a piece (and the rope angles out of piece 0), the attention output into the next. Copying
+into the buffers costs a few small kernels per piece; holding each graph's own outputs instead
+would pin ~1 GB per bucket at 8B.
 
 Attention runs on the step's real T rows only (the padded rows are neither written to the KV
 pool nor attended); the padded rows of the attention buffer keep stale values, and every captured
@@ -34,6 +35,7 @@ import time
 import torch
 
 from raypaged.model.attention import AttentionMetadata
+from raypaged.model.rotary import StepRotary
 from raypaged.worker.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,12 @@ class PiecewiseGraphs:
         self.value = buffer(attn.num_kv_heads, attn.head_dim)
         self.attn_out = buffer(attn.num_heads, attn.head_dim)
         self.hidden_out = buffer(hidden_size)
+        # The step's rope (cos/sin of each token's position), computed by piece 0 and read by
+        # the others: shaped as the rotary embedding makes them on this device.
+        probe = self.decoder.rotary_emb(self.positions[:1], dtype)
+        self.rope_cos = torch.zeros((largest, *probe.cos.shape[1:]), dtype=probe.cos.dtype, device=device)
+        self.rope_sin = torch.zeros_like(self.rope_cos)
+        self.rope_on_kernels = probe.on_kernels
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
 
     @property
@@ -99,7 +107,12 @@ class PiecewiseGraphs:
         if piece == self.num_layers:
             self.hidden_out[:n].copy_(decoder.final_norm(hidden, residual))
             return
-        rope = decoder.rotary_emb(self.positions[:n], hidden.dtype)
+        if piece == 0:
+            rope = decoder.rotary_emb(self.positions[:n], hidden.dtype)
+            self.rope_cos[:n].copy_(rope.cos)
+            self.rope_sin[:n].copy_(rope.sin)
+        else:
+            rope = StepRotary(self.rope_cos[:n], self.rope_sin[:n], self.rope_on_kernels)
         q, k, v, residual = decoder.pre_attention(piece, rope, hidden, residual)
         self.query[:n].copy_(q)
         self.key[:n].copy_(k)
