@@ -23,6 +23,7 @@ engine() {  # name batch-sizes [env...]
     env "$@" timeout 110 python3 benchmarks/bench_engine.py --shape 8b --executors uni --scheduling async \
         --batch-sizes "$batches" --context 1024 --decode-steps 50 --throughput-batch 8 --prompt-len 64 \
         --output-len 32 --out "$OUT_DIR/$name" 2>&1 | quiet | grep "decode step\|copy bandwidth"
+    rm -f "$OUT_DIR/$name"/*.png  # a call brings back at most eight files: the JSONs first
 }
 o_on_kernel() {
     python3 - "$TABLE" <<'PY'

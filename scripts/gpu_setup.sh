@@ -6,8 +6,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 \
-    || { cat "$OUT_DIR/pip.log"; exit 1; }
+# (the log stays out of $OUT_DIR: a device call brings back at most eight files)
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/raypaged_pip.log 2>&1 \
+    || { cat /tmp/raypaged_pip.log; exit 1; }
 
 quiet() { grep --line-buffered -v "Loading weights\|it/s\]\|compiled_dag_node\|authentication_token"; }
 
