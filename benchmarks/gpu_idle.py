@@ -20,7 +20,7 @@ import argparse
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -75,32 +75,37 @@ def layer_profile(timeline: list[tuple[float, float, str]]) -> dict[str, list[fl
     those from one attention kernel ("decode_split") up to the next, each labelled by its name
     and its occurrence in the layer ("_gemv_kernel#2": the layer's third GEMM). What a kernel
     adds is its end minus the previous kernel's end: with programmatic dependent launch a kernel
-    starts while its predecessor runs, so its duration overlaps it, but this does not."""
-    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-    layer: list[tuple[float, float, str]] = []
+    starts while its predecessor runs, so its duration overlaps it, but this does not.
+
+    Only the layers whose kernel names are the most common sequence count: the one spanning two
+    steps (the last layer's MLP, final norm, LM head, sampling, the next step's embedding and
+    first QKV) would otherwise pass its LM head off as a QKV (12e0e04 and 7821cca's traces did:
+    their batch-1 "qkv" of ~21 µs a layer was ~14.5 plus a 32nd of the LM head's ~240)."""
+    segments: list[list[tuple[str, float, float]]] = [[]]
     previous_end = None
-
-    def close(kernels: list[tuple[float, float, str]]) -> None:
-        seen: dict[str, int] = defaultdict(int)
-        for start, end, name, adds in kernels:
-            label = f"{name[:40]}#{seen[name]}"
-            seen[name] += 1
-            entry = sums[label]
-            entry[0] += end - start
-            entry[1] += adds
-            entry[2] += 1
-
     for start, end, name in timeline:
         adds = end - previous_end if previous_end is not None else end - start
         previous_end = end if previous_end is None else max(previous_end, end)
-        if "decode_split" in name and layer:
-            close(layer)
-            layer = []
-        layer.append((start, end, name, adds))
-    layers = max((count for _, _, count in sums.values()), default=0)
-    # Labels of (nearly) every layer; the step's first and last kernels fall outside.
-    return {label: [duration / count, adds / count] for label, (duration, adds, count) in sums.items()
-            if count >= layers * 0.9 and count > 1}
+        if "decode_split" in name and segments[-1]:
+            segments.append([])
+        segments[-1].append((name, end - start, adds))
+    # The first segment starts mid-step and the last one ends there: neither is a whole layer.
+    whole = segments[1:-1]
+    if not whole:
+        return {}
+    shapes = Counter(tuple(name for name, _, _ in segment) for segment in whole)
+    common, count = shapes.most_common(1)[0]
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for segment in whole:
+        if tuple(name for name, _, _ in segment) != common:
+            continue
+        seen: dict[str, int] = defaultdict(int)
+        for name, duration, adds in segment:
+            label = f"{name[:40]}#{seen[name]}"
+            seen[name] += 1
+            sums[label][0] += duration
+            sums[label][1] += adds
+    return {label: [duration / count, adds / count] for label, (duration, adds) in sums.items()}
 
 
 def kernel_family(name: str) -> str:
