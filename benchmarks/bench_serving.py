@@ -37,7 +37,6 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,10 +44,12 @@ from common import SHAPES, device_tag, environment, write_config, write_json  # 
 from soak import LaunchedServer, scrape  # noqa: E402
 from bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests  # noqa: E402
 
+from serving_report import (KV_GAUGES, Timing, kv_summary, max_rate_meeting,  # noqa: E402
+                            print_rate, print_table, save_plot, should_stop, summarize_rate)
+
 from raypaged.client import AsyncClient, Client, RequestError  # noqa: E402
 
 MODES = ("paged", "contiguous")
-PERCENTILES = (50, 90, 99)
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
 # 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too.
 CPU_NUM_KV_BLOCKS = 256
@@ -84,56 +85,7 @@ def poisson_offsets(count: int, rate: float, seed: str) -> list[float]:
     return offsets
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between order statistics (numpy's default
-    method), so the figures compare with vLLM's benchmark."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def distribution(values: list[float]) -> dict:
-    """Mean and p50/p90/p99 in milliseconds."""
-    summary = {"mean_ms": 1e3 * sum(values) / len(values) if values else math.nan}
-    for q in PERCENTILES:
-        summary[f"p{q}_ms"] = 1e3 * percentile(values, q)
-    return summary
-
-
-def max_rate_meeting(rates: list[dict], slo_ttft_s: float) -> float | None:
-    """The highest rate, going up, before the first that misses the SLO (p99 TTFT ≥ slo, or a
-    request that failed): a rate that passes only above a failing one is luck of the draw, not
-    a rate the server sustains. None when the lowest rate already misses."""
-    best = None
-    for result in sorted(rates, key=lambda r: r["rate"]):
-        if result["errors"] or not result["ttft"]["p99_ms"] < 1e3 * slo_ttft_s:
-            break
-        best = result["rate"]
-    return best
-
-
-def should_stop(result: dict, stop_ttft_s: float) -> bool:
-    """Past this, higher rates only lengthen the queue: stop the mode's sweep."""
-    return bool(result["errors"]) or not result["ttft"]["p99_ms"] < 1e3 * stop_ttft_s
-
-
 # ---- the load -----------------------------------------------------------------------------------
-
-@dataclass
-class Timing:
-    """One request, seconds on the client's clock."""
-
-    late_s: float  # sent this long after its Poisson time (a busy client would skew the load)
-    ttft_s: float = math.nan
-    e2e_s: float = math.nan
-    gaps_s: list[float] = field(default_factory=list)  # one per token after the first chunk's
-    output_tokens: int = 0
-    error: str | None = None
-
 
 async def send(client: AsyncClient, prompt: list[int], output_len: int, due: float) -> Timing:
     sent = time.perf_counter()
@@ -187,11 +139,6 @@ async def drive(address: str, prompts: list[list[int]], output_lens: list[int],
 
 # ---- KV memory from the server's metrics --------------------------------------------------------
 
-KV_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-             "kv_cache_blocks", "kv_cache_allocated_slots", "kv_cache_filled_slots",
-             "kv_cache_unfilled_slots", "kv_cache_shared_saved_slots")
-
-
 async def sample_metrics(metrics_url: str, samples: list[dict], done: asyncio.Event,
                          interval_s: float = 1.0) -> None:
     """Scrapes the KV gauges until `done`, once a second (the frontend polls the engine's stats
@@ -213,56 +160,7 @@ async def sample_metrics(metrics_url: str, samples: list[dict], done: asyncio.Ev
             pass
 
 
-def kv_summary(samples: list[dict], block_size: int) -> dict:
-    """Averages over the samples where requests run (ratios of sums): pool usage, filled /
-    allocated slots, allocated-but-empty slots as a share of the pool and per running request."""
-    busy = [s for s in samples if s["num_requests_running"]]
-    if not busy:
-        return {"samples": len(samples), "busy_samples": 0}
-    pool = sum(s["kv_cache_blocks"] * block_size for s in busy)
-    allocated = sum(s["kv_cache_allocated_slots"] for s in busy)
-    filled = sum(s["kv_cache_filled_slots"] for s in busy)
-    unfilled = sum(s["kv_cache_unfilled_slots"] for s in busy)
-    running = sum(s["num_requests_running"] for s in busy)
-    return {
-        "samples": len(samples), "busy_samples": len(busy),
-        "mean_pool_usage": sum(s["kv_cache_usage_perc"] for s in busy) / len(busy),
-        "peak_pool_usage": max(s["kv_cache_usage_perc"] for s in busy),
-        "kv_utilization": filled / allocated if allocated else 1.0,  # filled / allocated slots
-        "pool_token_states": filled / pool,
-        "waste_share_of_pool": unfilled / pool,
-        "unfilled_slots_per_running_request": unfilled / running,
-        "mean_running": running / len(busy),
-        "peak_running": max(s["num_requests_running"] for s in busy),
-        "mean_waiting": sum(s["num_requests_waiting"] for s in busy) / len(busy),
-        "peak_waiting": max(s["num_requests_waiting"] for s in busy),
-    }
-
-
 # ---- one rate, one mode -------------------------------------------------------------------------
-
-def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
-    done = [t for t in timings if t.error is None]
-    output_tokens = sum(t.output_tokens for t in done)
-    tpot = [(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in done if t.output_tokens > 1]
-    return {
-        "rate": rate, "requests": len(timings), "completed": len(done),
-        "errors": len(timings) - len(done),
-        "error_examples": sorted({t.error for t in timings if t.error})[:5],
-        "duration_s": wall_s,
-        "request_throughput": len(done) / wall_s,
-        "output_tokens": output_tokens,
-        "output_tokens_per_s": output_tokens / wall_s,
-        "ttft": distribution([t.ttft_s for t in done]),
-        "itl": distribution([g for t in done for g in t.gaps_s]),
-        "tpot": distribution(tpot),
-        # The PagedAttention paper's serving figure: E2E over output length, per request. Unlike
-        # TTFT it rises once the batch outgrows the hardware, even while everything is admitted.
-        "normalized_latency": distribution([t.e2e_s / t.output_tokens for t in done]),
-        "e2e": distribution([t.e2e_s for t in done]),
-        "send_lateness": distribution([t.late_s for t in timings]),
-    }
-
 
 def run_rate(server: LaunchedServer, info, requests: list[BenchRequest], rate: float,
              args: argparse.Namespace) -> dict:
@@ -366,17 +264,7 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
         server.kill()
 
 
-def print_rate(mode: str, r: dict) -> None:
-    kv = r["kv"]
-    print(f"[{mode}] {r['rate']:g} req/s: {r['completed']}/{r['requests']} in {r['duration_s']:.1f} s, "
-          f"{r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 {r['ttft']['p50_ms']:.0f}/"
-          f"{r['ttft']['p99_ms']:.0f} ms, ITL p50/p99 {r['itl']['p50_ms']:.0f}/{r['itl']['p99_ms']:.0f} ms, "
-          f"E2E p99 {r['e2e']['p99_ms'] / 1e3:.1f} s; running {kv.get('mean_running', 0):.1f} "
-          f"(peak {kv.get('peak_running', 0)}), pool {kv.get('mean_pool_usage', 0):.0%}; "
-          f"send late p99 {r['send_lateness']['p99_ms']:.0f} ms", flush=True)
-
-
-# ---- model, report, plot ------------------------------------------------------------------------
+# ---- the model ----------------------------------------------------------------------------------
 
 def write_tokenizer(directory: Path, vocab_size: int) -> None:
     """A word-level tokenizer with one token per id of the model's vocabulary: `raypaged launch`
@@ -399,63 +287,6 @@ def model_launch_args(args: argparse.Namespace, tmp: Path) -> list[str]:
     write_tokenizer(directory, SHAPES[args.shape]["vocab_size"])
     return ["--model", str(directory), "--load-format", "dummy", "--dtype", dtype,
             "--served-model-name", args.shape]
-
-
-def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ttft, normalized, tput, running) = plt.subplots(1, 4, figsize=(20, 4.5))
-    for mode, color in zip(modes, ("tab:blue", "tab:orange")):
-        rates = record.get(mode, {}).get("rates", [])
-        x = [r["rate"] for r in rates]
-        ttft.plot(x, [r["ttft"]["p99_ms"] / 1e3 for r in rates], "o-", color=color, label=f"{mode} p99")
-        ttft.plot(x, [r["ttft"]["p50_ms"] / 1e3 for r in rates], "o--", color=color, alpha=0.6,
-                  label=f"{mode} p50")
-        normalized.plot(x, [r["normalized_latency"]["mean_ms"] for r in rates], "o-", color=color,
-                        label=mode)
-        tput.plot(x, [r["output_tokens_per_s"] for r in rates], "o-", color=color, label=mode)
-        running.plot(x, [r["kv"].get("mean_running", 0) for r in rates], "o-", color=color, label=mode)
-    ttft.axhline(slo_ttft_s, color="gray", linestyle=":", label=f"{slo_ttft_s:g} s")
-    ttft.set_yscale("log")
-    ttft.set_ylabel("TTFT (s)")
-    ttft.set_title(f"{record['model']} ({record['env']['device']})")
-    normalized.set_ylabel("mean E2E / output tokens (ms)")
-    normalized.set_title("normalized latency")
-    tput.set_ylabel("output tokens / s")
-    tput.set_title("throughput")
-    running.set_ylabel("mean running requests")
-    running.set_title(f"batch size ({record.get('num_kv_blocks')} KV blocks)")
-    for ax in (ttft, normalized, tput, running):
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.set_xlabel("request rate (req/s)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
-    print("\n| mode | rate | req/s | out tok/s | TTFT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 "
-          "| E2E per token | mean running | pool used | filled / held |\n" + "| --- " * 11 + "|")
-    for mode in modes:
-        for r in record.get(mode, {}).get("rates", []):
-            kv = r["kv"]
-            print(f"| {mode} | {r['rate']:g} | {r['request_throughput']:.2f} | {r['output_tokens_per_s']:,.0f} "
-                  f"| {r['ttft']['p50_ms']:,.0f} / {r['ttft']['p99_ms']:,.0f} ms "
-                  f"| {r['itl']['p50_ms']:.1f} / {r['itl']['p99_ms']:.1f} ms "
-                  f"| {r['e2e']['p50_ms'] / 1e3:.1f} / {r['e2e']['p99_ms'] / 1e3:.1f} s "
-                  f"| {r['normalized_latency']['mean_ms']:.0f} ms | {kv.get('mean_running', 0):.1f} | {kv.get('mean_pool_usage', 0):.0%} "
-                  f"| {kv.get('kv_utilization', 0):.1%} |")
-    for mode in modes:
-        mode_record = record.get(mode, {})
-        best = mode_record.get("max_rate_under_slo")
-        above = " (every tested rate: the limit is higher)" if mode_record.get("max_rate_is_lower_bound") else ""
-        print(f"max rate with p99 TTFT < {slo_ttft_s:g} s, {mode}: "
-              f"{'none of the tested rates' if best is None else f'{best:g} req/s'}{above}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

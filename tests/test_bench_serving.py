@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_serving import (FIRST_ID, Timing, fresh_prompts, kv_summary,  # noqa: E402
-                           max_rate_meeting, percentile, poisson_offsets, send, should_stop,
-                           summarize_rate, trace_requests)
+from bench_serving import FIRST_ID, fresh_prompts, poisson_offsets, send, trace_requests  # noqa: E402
+from serving_report import (Timing, kv_summary, max_rate_meeting, percentile,  # noqa: E402
+                            should_stop, summarize_rate)
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
