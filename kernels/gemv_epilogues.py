@@ -29,6 +29,13 @@ SILU_MUL = tl.constexpr(2)
 
 
 @triton.jit
+def _rope_block(tile, HALF: tl.constexpr, PAIRS: tl.constexpr):
+    """ROPE: the first feature of program `tile`'s head and the first of its PAIRS frequencies
+    (a head's HALF pairs take HALF / PAIRS programs)."""
+    return (tile // (HALF // PAIRS)) * (2 * HALF), (tile % (HALF // PAIRS)) * PAIRS
+
+
+@triton.jit
 def output_columns(tile, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HALF: tl.constexpr):
     """The BLOCK_N output features program `tile` computes. ROPE: HALF = head_dim / 2."""
     lane = tl.arange(0, BLOCK_N)
@@ -38,9 +45,8 @@ def output_columns(tile, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HALF:
     partner = lane // PAIRS  # 0: first members of the pairs, 1: their partners
     index = lane % PAIRS
     if EPILOGUE == ROPE:
-        TILES_PER_HALF: tl.constexpr = HALF // PAIRS
-        head_start = (tile // TILES_PER_HALF) * (2 * HALF)
-        return head_start + partner * HALF + (tile % TILES_PER_HALF) * PAIRS + index
+        head_start, freq_start = _rope_block(tile, HALF, PAIRS)
+        return head_start + partner * HALF + freq_start + index
     else:
         return partner * (N // 2) + tile * PAIRS + index
 
@@ -53,8 +59,8 @@ def rotation(cos_ptr, sin_ptr, tile, rows, row_ok, EPILOGUE: tl.constexpr, HALF:
     behind it. Other epilogues: placeholders."""
     if EPILOGUE == ROPE:
         PAIRS: tl.constexpr = BLOCK_N // 2
-        freq = (tile % (HALF // PAIRS)) * PAIRS + tl.arange(0, PAIRS)
-        offsets = rows[None, :].to(tl.int64) * HALF + freq[:, None]
+        _, freq_start = _rope_block(tile, HALF, PAIRS)
+        offsets = rows[None, :].to(tl.int64) * HALF + (freq_start + tl.arange(0, PAIRS))[:, None]
         return (tl.load(cos_ptr + offsets, mask=row_ok[None, :], other=1.0),
                 tl.load(sin_ptr + offsets, mask=row_ok[None, :], other=0.0))
     else:
@@ -80,9 +86,8 @@ def finish(acc, bias_ptr, out_ptr, cos, sin, tile, cols, rows, col_ok, row_ok,
         index = tl.arange(0, PAIRS)
         mask = row_ok[None, :]
         if EPILOGUE == ROPE:
-            TILES_PER_HALF: tl.constexpr = HALF // PAIRS
-            head_start = (tile // TILES_PER_HALF) * (2 * HALF)
-            first_cols = head_start + (tile % TILES_PER_HALF) * PAIRS + index
+            head_start, freq_start = _rope_block(tile, HALF, PAIRS)
+            first_cols = head_start + freq_start + index
             # v heads (past the rotated features) pass through unrotated
             rotate = head_start < rotated_features
             new_first = tl.where(rotate, first * cos - second * sin, first)

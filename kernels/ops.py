@@ -72,9 +72,8 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from .gemv import epilogue_config, gemv_rope
 
     config = epilogue_config(x, weight, head_dim // 2, "rope")
-    if config is None:
-        return None
-    return gemv_rope(x, weight, bias, cos, sin, head_dim, rotated_features, config)
+    return None if config is None else gemv_rope(x, weight, bias, cos, sin, head_dim,
+                                                 rotated_features, config)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,

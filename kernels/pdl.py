@@ -56,20 +56,21 @@ def pdl_launch(x: torch.Tensor) -> dict:
 def wait_for_inputs(USE_PDL: tl.constexpr):
     """The first thing a kernel does: with PDL, wait until the previous kernel in the stream has
     finished (its writes visible), then let the next one launch."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
+    wait_only(USE_PDL)
+    let_dependents_launch(USE_PDL)
 
 
 @triton.jit
 def wait_only(USE_PDL: tl.constexpr):
-    """`wait_for_inputs` without letting the next kernel launch yet (`let_dependents_launch`)."""
+    """`wait_for_inputs` without letting the next kernel launch yet: a kernel that calls this
+    calls `let_dependents_launch` later itself (gemv._dependents_at_end says when)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
 def let_dependents_launch(USE_PDL: tl.constexpr):
+    """With PDL, let the next kernel in the stream launch (its programs then wait for this one
+    to finish in their own `wait_for_inputs`)."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
