@@ -1,4 +1,4 @@
-"""The small-batch linears of a decode step: Triton skinny GEMM (kernels/gemv.py) against
+"""The small-batch linears of a decode step: Triton skinny GEMM (raypaged/kernels/gemv.py) against
 cuBLAS (F.linear), on the 8B's weight shapes, on a GPU.
 
     python benchmarks/bench_gemv.py [--rows 1,2,4,8,16] [--tune-rows 1,8] [--tp 2] [--out DIR]
@@ -99,7 +99,7 @@ def sweep(case: Case) -> list[dict]:
 
 
 def table_entry(name: str, case: Case, runs: list[dict]) -> dict | None:
-    """The tuned-table entry (kernels/gemv_table.py) for a swept shape: the best config, and
+    """The tuned-table entry (raypaged/kernels/gemv_table.py) for a swept shape: the best config, and
     whether it beat cuBLAS timed in the same run (by more than 1%, else cuBLAS keeps it)."""
     timed = [r for r in runs if "seconds" in r]
     if not timed:
@@ -153,7 +153,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--table", type=Path, default=None,
                         help="record the --tune-rows winners (kernel config or cuBLAS) in this "
-                             "tuned table, e.g. kernels/configs/gemv_nvidia_h200.json")
+                             "tuned table, e.g. raypaged/kernels/configs/gemv_nvidia_h200.json")
     add_replot_argument(parser)
     args = parser.parse_args()
     if args.replot is not None:

@@ -99,7 +99,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "transformers": transformers.__version__,
-        # Programmatic dependent launch of the Triton kernels (kernels/pdl.py), when asked for.
+        # Programmatic dependent launch of the Triton kernels (raypaged/kernels/pdl.py), when asked for.
         "raypaged_pdl": os.environ.get("RAYPAGED_PDL", "1"),
     }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8: rope and SwiGLU in the skinny GEMM's epilogue (kernels/gemv_epilogues.py) on the H200,
+# Issue 8: rope and SwiGLU in the skinny GEMM's epilogue (raypaged/kernels/gemv_epilogues.py) on the H200,
 # in one call (~8 minutes, each part under a timeout):
 #   1. the GPU tests of the GEMM (the epilogues bit for bit against the GEMM then the separate
 #      kernel, at the 8B's shapes with the configs the engine uses) and of PDL;

@@ -13,7 +13,7 @@
 #   the last call (after the GEMM tests)
 set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
-TABLE=kernels/configs/gemv_nvidia_h200.json
+TABLE=raypaged/kernels/configs/gemv_nvidia_h200.json
 cp "$TABLE" /tmp/table.json
 engine() {  # name batch-sizes [env...]
     local name=$1 batches=$2

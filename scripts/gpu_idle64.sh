@@ -4,7 +4,7 @@
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_idle64.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
-TABLE=kernels/configs/gemv_nvidia_h200.json
+TABLE=raypaged/kernels/configs/gemv_nvidia_h200.json
 idle() {  # name
     echo "== $1"
     RAYPAGED_PDL=0 timeout 60 python3 benchmarks/gpu_idle.py --shape 8b --batch-sizes 64 --context 1024 \

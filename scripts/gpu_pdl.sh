@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch (kernels/pdl.py, RAYPAGED_PDL=1) on the H200, in one call
+# Programmatic dependent launch (raypaged/kernels/pdl.py, RAYPAGED_PDL=1) on the H200, in one call
 # (~6 minutes, timeouts 170 + 2 x 150 + 60 s): written without a GPU, so first the GPU tests with
 # it on (the decode kernels with it on and off in a CUDA graph, bit for bit; the GEMM, attention
 # and engine tests), then the engine's decode step at batch 1, 8, 64 (context 1,024, async, in

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prefill kernel candidates on the GPU machine (the `run` tool), from the repository root:
 #   RAYPAGED_COMMIT=<sha> bash scripts/gpu_prefill_tune.sh [variant,variant,...]
-# Every entry of kernels/paged_prefill.py VARIANTS (or the ones named) is checked in bf16
+# Every entry of raypaged/kernels/paged_prefill.py VARIANTS (or the ones named) is checked in bf16
 # against the torch reference on a varlen batch with cached prefixes (32 q / 8 kv heads, d 128,
 # block 16; then d 64, block 32, GQA 8), and timed on one causal 4k / 8k-token prefill next to
 # torch SDPA in the same run. q, k, v are views of one fused [T, Hq+2Hkv, D] buffer, as the

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 8, batch 64 (~7 minutes): the skinny GEMM at 64 rows with split-K and wider tiles. Its GPU
 # tests (PDL on, the default now), then bench_gemv's sweep at 64 rows writing the H200's tuned
-# table (kernels/configs/gemv_nvidia_h200.json: per 8B shape, the kernel's best config or cuBLAS,
+# table (raypaged/kernels/configs/gemv_nvidia_h200.json: per 8B shape, the kernel's best config or cuBLAS,
 # whichever was faster), then the engine's decode step without the table, with it, and without
 # it again.
 #   run: RAYPAGED_COMMIT=<sha> bash scripts/gpu_tune64.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_setup.sh"
-TABLE=kernels/configs/gemv_nvidia_h200.json
+TABLE=raypaged/kernels/configs/gemv_nvidia_h200.json
 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py \
     tests/test_kernels_pdl.py 2>&1 | tail -3
 rm -f "$TABLE"

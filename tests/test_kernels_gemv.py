@@ -1,4 +1,4 @@
-"""The skinny GEMM (kernels/gemv.py) against the float64 product.
+"""The skinny GEMM (raypaged/kernels/gemv.py) against the float64 product.
 
 On CPU it runs under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; the `gpu` test
 repeats it in bf16 at the 8B's shapes with the real compiler (scripts/gpu_kernels.sh). fp32 must

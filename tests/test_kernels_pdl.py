@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py): on unless turned off, never under the
+"""Programmatic dependent launch (raypaged/kernels/pdl.py): on unless turned off, never under the
 interpreter, and on a GPU that has it, the kernels of a decode step give the same results
 launched either way.
 

@@ -437,7 +437,7 @@ def test_gpu_decode_replays_in_a_cuda_graph():
 
 
 def test_warm_up_runs_every_variant_and_leaves_the_pool_alone():
-    """The start-up warm-up (kernels/warmup.py) reads the pool only: every slot stays as it was."""
+    """The start-up warm-up (raypaged/kernels/warmup.py) reads the pool only: every slot stays as it was."""
     from raypaged.kernels.warmup import warm_up_attention
 
     torch.manual_seed(0)

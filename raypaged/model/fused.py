@@ -4,7 +4,7 @@ Unfused, each is 4–10 small kernels; in a decode step, where the GEMMs only st
 launches and round trips cost as much as a third of the step on an H200. So on CUDA each runs as
 one Triton kernel (one program per token row), and RoPE rotates q and k in place by cos/sin
 tables computed once a step. In steps of 17-64 rows where the GPU's GEMM table has the shapes,
-SiLU·mul and RoPE run in the epilogue of the GEMM before them instead (kernels/gemv_epilogues.py,
+SiLU·mul and RoPE run in the epilogue of the GEMM before them instead (raypaged/kernels/gemv_epilogues.py,
 called through layers.py), with the same arithmetic.
 
 On CPU the torch versions run: they are transformers' exact arithmetic (round to the activation
@@ -159,7 +159,7 @@ def _rope_table_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, HALF: tl.c
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position · inv_freq, fp32 [T, D/2]: computed once a step, read by every
-    layer's rope (here, or in the qkv GEMM's epilogue, kernels/gemv_epilogues.py), which then
+    layer's rope (here, or in the qkv GEMM's epilogue, raypaged/kernels/gemv_epilogues.py), which then
     does no trigonometry of its own (in a GEMM's epilogue it made ptxas keep local memory, and
     the qkv GEMM took 2.3 µs a layer more at batch 1 on the H200, 12e0e04)."""
     tokens, half = positions.shape[0], inv_freq.shape[0]

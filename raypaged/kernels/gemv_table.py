@@ -1,6 +1,6 @@
 """Tuned launch configs of the skinny GEMM (gemv.py), one JSON table per GPU model.
 
-`benchmarks/bench_gemv.py --tune-rows 64 --table kernels/configs/gemv_<device>.json` sweeps the
+`benchmarks/bench_gemv.py --tune-rows 64 --table raypaged/kernels/configs/gemv_<device>.json` sweeps the
 kernel's launch configs on each weight shape of a model at a padded row count, times the best
 against cuBLAS in the same run and records, per (dtype, out, in, rows), which one was faster and
 the config: ops.linear then sends a product of that shape to the kernel only where it won. A
