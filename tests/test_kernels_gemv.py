@@ -130,7 +130,7 @@ def test_committed_tables_configs_compute_the_product(path):
               **c)
 
 
-# ---- fused epilogues: the GEMM then the separate kernel, bit for bit
+# ---- fused epilogues: the GEMM then the separate kernel, to the last bits
 
 
 def _epilogue_inputs(rows, out_features, dtype, bias, seed=0, device="cpu", in_features=96):
@@ -174,12 +174,13 @@ def check_silu_epilogue(rows, intermediate, dtype, bias, config, device="cpu", i
 
 
 def _assert_same(out: torch.Tensor, expected: torch.Tensor) -> None:
-    """Bit for bit in the interpreter. A GPU compiler contracts multiply-adds (a·cos − b·sin)
-    into FMAs as it sees fit in each kernel, so there the fp32 values may differ in their last
-    bit, and a rounded bf16 output by one step where that bit decides it (seen at 64 rows,
-    c194913)."""
-    if out.device.type == "cpu":
-        assert torch.equal(out, expected)
+    """The fused kernel against the GEMM then the separate kernel: the same arithmetic, but not
+    the same instruction order. A GPU compiler contracts multiply-adds (a·cos − b·sin) into FMAs
+    as it sees fit in each kernel, and the interpreter's numpy picks its reduction and FMA paths
+    by block shape, so fp32 values may differ in their last bits and a rounded bf16 output by
+    one step where those bits decide it; a wrong pair, table or gather is off by far more."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1.3e-6, atol=1e-5)
         return
     one_step = expected.float().abs() * 2.0**-7 + 1e-30
     assert ((out.float() - expected.float()).abs() <= one_step).all()
