@@ -15,13 +15,9 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from common import environment, write_json  # noqa: E402
+from benchmarks.lib.common import environment, write_json
 
 
 def processor_cost(tokenizer, vocab: int, num_tokens: int = 20000) -> dict:
@@ -132,8 +128,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    from checkpoints import checkpoint_dir
     from transformers import AutoTokenizer
+
+    from tests.checkpoints import checkpoint_dir  # the tiny test checkpoint
 
     model_dir = str(checkpoint_dir("llama"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -22,12 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import L2_BYTES, copy_bandwidth, environment, graph_time, log  # noqa: E402
-from common import SHAPES, add_replot_argument, device_tag, replot  # noqa: E402
-
-from raypaged.kernels import gemv_table  # noqa: E402
-from raypaged.kernels.gemv import gemv_triton, padded_rows  # noqa: E402
+from benchmarks.bench_kernels import (
+    L2_BYTES,
+    copy_bandwidth,
+    environment,
+    graph_time,
+    log,
+)
+from benchmarks.lib.common import SHAPES, add_replot_argument, device_tag, replot
+from raypaged.kernels import gemv_table
+from raypaged.kernels.gemv import gemv_triton, padded_rows
 
 DTYPE = torch.bfloat16
 

@@ -33,15 +33,23 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from raypaged.kernels.paged_decode import choose_num_splits, default_launch_config, paged_decode_triton
+from benchmarks.lib import common
+from raypaged.kernels.paged_decode import (
+    choose_num_splits,
+    default_launch_config,
+    paged_decode_triton,
+)
 from raypaged.kernels.paged_prefill import CUDA_DEFAULT as PREFILL_VARIANT
-from raypaged.kernels.paged_prefill import default_launch_config as prefill_launch_config
+from raypaged.kernels.paged_prefill import (
+    default_launch_config as prefill_launch_config,
+)
 from raypaged.kernels.paged_prefill import paged_prefill_triton
 from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref
-from raypaged.kernels.testing import check_against_reference, query_start_loc, random_paged_batch
+from raypaged.kernels.testing import (
+    check_against_reference,
+    query_start_loc,
+    random_paged_batch,
+)
 from raypaged.kernels.triton_common import num_sms
 
 DECODE_CASES = [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]

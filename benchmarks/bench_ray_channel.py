@@ -15,14 +15,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # noqa: E402
-
-from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput  # noqa: E402
+from benchmarks.lib.common import environment, write_json
+from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 
 def decode_step(batch: int, context: int = 1024) -> tuple[SchedulerOutput, ModelRunnerOutput]:

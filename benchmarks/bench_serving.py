@@ -39,15 +39,27 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, device_tag, environment, write_config, write_json  # noqa: E402
-from soak import LaunchedServer, scrape  # noqa: E402
-from bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests  # noqa: E402
-
-from serving_report import (KV_GAUGES, Timing, kv_summary, max_rate_meeting,  # noqa: E402
-                            print_rate, print_table, save_plot, should_stop, summarize_rate)
-
-from raypaged.client import AsyncClient, Client, RequestError  # noqa: E402
+from benchmarks.bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests
+from benchmarks.lib.common import (
+    SHAPES,
+    device_tag,
+    environment,
+    write_config,
+    write_json,
+)
+from benchmarks.serving_report import (
+    KV_GAUGES,
+    Timing,
+    kv_summary,
+    max_rate_meeting,
+    print_rate,
+    print_table,
+    save_plot,
+    should_stop,
+    summarize_rate,
+)
+from benchmarks.soak import LaunchedServer, scrape
+from raypaged.client import AsyncClient, Client, RequestError
 
 MODES = ("paged", "contiguous")
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.

@@ -18,10 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_tag, environment, write_json  # noqa: E402
-
-
+from benchmarks.lib.common import device_tag, environment, write_json
 
 # The alternative measured here (and dropped from the ModelRunner for losing): pack the step's
 # arrays into one pinned host buffer per dtype and send each with one asynchronous copy.

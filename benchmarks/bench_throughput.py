@@ -32,13 +32,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (SHAPES, device_tag, environment, hf_random_model, release_memory,  # noqa: E402
-                    sync, write_config, write_json)
-
-from raypaged import LLM, SamplingParams  # noqa: E402
-from raypaged.core.request import Request  # noqa: E402
-from raypaged.simulator.traces import make_trace  # noqa: E402
+from benchmarks.lib.common import (
+    SHAPES,
+    device_tag,
+    environment,
+    hf_random_model,
+    release_memory,
+    sync,
+    write_config,
+    write_json,
+)
+from raypaged import LLM, SamplingParams
+from raypaged.core.request import Request
+from raypaged.simulator.traces import make_trace
 
 MODES = ("paged", "contiguous")
 FIRST_ID = 3  # ids 0-2 are unk / bos / eos in the benchmark configs

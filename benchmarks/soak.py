@@ -32,8 +32,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import grpc
 
@@ -294,7 +293,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._started = time.monotonic()
         self._thread.start()
         return self
@@ -430,8 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {config.num_requests} requests, {config.concurrency} at a time, "
           f"raypaged launch {' '.join(launch_args)}")
     result = run_soak(launch_args, config)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import environment, write_json
+    from benchmarks.lib.common import environment, write_json
 
     result["environment"] = environment()
     path = write_json(f"soak_{args.name}", result)

@@ -8,18 +8,27 @@ import asyncio
 import math
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_serving import FIRST_ID, fresh_prompts, poisson_offsets, send, trace_requests  # noqa: E402
-from serving_report import (Timing, kv_summary, max_rate_meeting, percentile,  # noqa: E402
-                            should_stop, summarize_rate)
+from benchmarks.bench_serving import (
+    FIRST_ID,
+    fresh_prompts,
+    poisson_offsets,
+    send,
+    trace_requests,
+)
+from benchmarks.serving_report import (
+    Timing,
+    kv_summary,
+    max_rate_meeting,
+    percentile,
+    should_stop,
+    summarize_rate,
+)
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])

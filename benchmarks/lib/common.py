@@ -1,5 +1,8 @@
 """What every benchmark shares: the environment record, the copy-bandwidth ceiling, JSON output,
-the random-weights Llama shapes, and transformers' model built on those shapes."""
+the random-weights Llama shapes, and transformers' model built on those shapes.
+
+Results go to `benchmarks/results/` unless a benchmark's --out (the device runner passes $OUT)
+or RAYPAGED_RESULTS_DIR says otherwise."""
 
 from __future__ import annotations
 
@@ -12,26 +15,26 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 # Llama shapes run with random weights (load_format "dummy"): no checkpoint to download.
 SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-               max_position_embeddings=8192, rope_theta=500000.0),
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+               "max_position_embeddings": 8192, "rope_theta": 500000.0},
     # The same model with Llama 3.1's longer context, capped at 32k: what the contiguous
     # reservation mode reserves per request when a server offers a long-context model's window.
-    "8b-32k": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                   max_position_embeddings=32768, rope_theta=500000.0),
+    "8b-32k": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                   "max_position_embeddings": 32768, "rope_theta": 500000.0},
     # Llama-3-70B's shape: 141 GB of bf16 weights, so one H200 cannot hold it (bench_tp.py
     # skips that TP size); from TP=2 up, 70.6 GB or less per GPU.
-    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
-                 max_position_embeddings=2048, rope_theta=10000.0),
+    "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+                 "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
+                 "max_position_embeddings": 2048, "rope_theta": 10000.0},
 }
 
 
@@ -85,7 +88,7 @@ def environment() -> dict:
     commit = os.environ.get("RAYPAGED_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                                     cwd=RESULTS.parent, timeout=10).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             commit = None
@@ -123,8 +126,8 @@ def replot(path: Path, plot) -> int:
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Device-to-device copy, bytes read + written per second (median of CUDA-event timings).
 
-    bf16 elements: torch's copy of 1-byte elements measured 4.04 TB/s on the H200 where bf16
-    measured 4.24 in the same call (5f5857d); the floor must use what the card can do."""
+    bf16 elements: a copy of 1-byte elements reads slower than the card can (benchmarks/README.md,
+    history), and the floor must use what the card can do."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     if device.type != "cuda":

@@ -1,24 +1,16 @@
-"""How busy the GPU is during decode: per step, the device's kernel time against the wall time
-between engine steps, with asynchronous scheduling off and on.
+"""How busy the GPU is during decode (benchmarks.bench_decode --mode trace).
 
-    python benchmarks/gpu_idle.py                                     # CPU: plumbing only
-    python benchmarks/gpu_idle.py --shape 8b --batch-sizes 1,64        # the H200 question
-
-A decode step's distance from the byte floor (issue 8) is either kernels slower than the floor
-(busy ≈ wall) or the GPU waiting between steps (busy < wall): this tells which, and lists the
+A decode step's distance from the byte floor is either kernels slower than the floor (busy ~
+wall) or the GPU waiting between steps (busy < wall): the trace tells which, and lists the
 kernels by time. Steps are traced with torch.profiler after the batch is decoding; busy = the sum
 of the CUDA kernels' and copies' durations in the traced steps (kernels do not overlap within one
-stream; if busy reads 0, the profiler's events were not parsed as expected: it says so). On the
-H200 at 2aa12b5 async scheduling left the GPU busy 97-98% of a step (benchmarks/README.md).
-Writes benchmarks/results/gpu_idle_<shape>_<device>.json and .png; `--replot JSON` redraws a
-saved run's PNG.
+stream; if busy reads 0, the profiler's events were not parsed as expected: it says so). Under
+programmatic dependent launch a kernel's traced duration includes its wait for the one before:
+per-kernel durations are read with it off, what each kernel adds (`layer_profile`) with it on.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -26,16 +18,15 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import check_batch_kept, decode_output_tokens, start_decoding  # noqa: E402
-from common import (SHAPES, add_replot_argument, decode_setup, device_tag, environment,  # noqa: E402
-                    release_memory, replot, sync, write_config, write_json)
-
-from raypaged import LLM  # noqa: E402
+from benchmarks.lib.common import sync
+from benchmarks.lib.decode import check_batch_kept, start_decoding
+from raypaged import LLM
 
 
 def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
                 device: torch.device) -> dict:
+    """Wall and GPU-busy ms per step over `steps` traced decode steps of `batch` requests, the
+    top kernels (ms a step) and the per-layer profile."""
     engine = llm.engine
     ids = start_decoding(engine, batch, context, vocab, steps, "idle")
     for _ in range(3):  # fill the async pipeline, settle the allocator
@@ -79,8 +70,7 @@ def layer_profile(timeline: list[tuple[float, float, str]]) -> dict[str, list[fl
 
     Only the layers whose kernel names are the most common sequence count: the one spanning two
     steps (the last layer's MLP, final norm, LM head, sampling, the next step's embedding and
-    first QKV) would otherwise pass its LM head off as a QKV (12e0e04 and 7821cca's traces did:
-    their batch-1 "qkv" of ~21 µs a layer was ~14.5 plus a 32nd of the LM head's ~240)."""
+    first QKV) would otherwise pass its LM head off as a QKV."""
     segments: list[list[tuple[str, float, float]]] = [[]]
     previous_end = None
     for start, end, name in timeline:
@@ -154,56 +144,3 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--scheduling", default="sync,async")
-    # The engine as bench_engine.py's GPU runs build it (its step time is the figure compared):
-    # their max_num_seqs is the largest of the batch sizes and the throughput batch.
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="default: the largest batch size")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--out", default=None)
-    add_replot_argument(parser)
-    args = parser.parse_args()
-    if args.replot is not None:
-        return replot(args.replot, plot)
-
-    device, dtype_name, vocab, batch_sizes = decode_setup(args.shape, args.batch_sizes)
-    result = {"env": environment(), "args": vars(args), "runs": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_config(args.shape, dtype_name, Path(tmp))
-        for scheduling in args.scheduling.split(","):
-            llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
-                      # room for the traced requests' outputs (the engine's default token
-                      # budget is at least 2,048: the bound assumed when none is given)
-                      max_model_len=args.context + decode_output_tokens(
-                          max(batch_sizes), args.context, args.steps,
-                          args.max_num_batched_tokens or 2048),
-                      max_num_seqs=args.max_num_seqs or max(batch_sizes),
-                      max_num_batched_tokens=args.max_num_batched_tokens,
-                      gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
-                      async_scheduling=scheduling == "async")
-            for batch in batch_sizes:
-                run = trace_steps(llm, batch, args.context, args.steps, vocab, device)
-                result["runs"][f"{scheduling}/{batch}"] = run
-                print(f"[{scheduling}] batch {batch}: {run['wall_ms']:.2f} ms a step, GPU busy "
-                      f"{run['busy_ms']:.2f} ms ({run['idle_share']:.0%} idle)", flush=True)
-                for name, ms in run["top_kernels_ms"][:6]:
-                    print(f"    {ms:7.3f} ms  {name}")
-            llm.shutdown()
-            del llm
-            release_memory(device)
-    path = write_json(f"gpu_idle_{args.shape}_{device_tag()}", result, args.out)
-    plot(result, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png').name}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,40 +1,30 @@
-"""Where one decode step's time goes: the engine's phases and the worker's, in process and
-through a Ray actor, at each batch size.
-
-    python benchmarks/profile_step.py                                  # CPU-sized, tiny model
-    python benchmarks/profile_step.py --shape 8b --batch-sizes 1,64 --context 1024 --executors uni,ray
+"""Where one decode step's time goes, phase by phase (benchmarks.bench_decode --mode phases).
 
 Every phase is timed on the host with time.monotonic_ns (one system-wide clock, so the engine's
 and a Ray worker's stamps compare): the engine's schedule / execute / update, and inside the
 worker its diff apply, input prep, forward launch, logits, sampling-metadata build, sampler launch
 and the wait for the sampled ids (`.tolist()`, where the host meets the GPU). For the Ray path,
-`dispatch` is engine's execute call → worker's execute_model starting and `return` is the worker
-returning → the engine holding the result: Ray's own cost, apart from the work. Medians over the
-steps; nothing here synchronizes the device beyond what the engine does itself. The engine runs
-one step at a time unless --async-scheduling (then each execute call also waits on, and returns,
-the step before, and `other` is that wait).
-Writes benchmarks/results/profile_step_<shape>_<device>.json.
+`dispatch` is engine's execute call -> worker's execute_model starting and `return` is the worker
+returning -> the engine holding the result: Ray's own cost, apart from the work. Medians over the
+steps; nothing here synchronizes the device beyond what the engine does itself. With async
+scheduling each execute call also waits on, and returns, the step before, and `other` is that
+wait (the phases read best with sync scheduling).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
+import glob
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
+from collections.abc import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import decode_output_tokens, prompts, start_decoding  # noqa: E402
-from common import (SHAPES, decode_setup, device_tag, environment, release_memory,  # noqa: E402
-                    write_config, write_json)
-
-from raypaged import LLM, SamplingParams  # noqa: E402
+from benchmarks.lib.decode import prompts, start_decoding
+from raypaged import LLM, SamplingParams
 
 WORKER_STAMPS = os.path.join(tempfile.gettempdir(), "raypaged_profile_worker_{pid}.json")
 
@@ -116,8 +106,25 @@ def _median_us(values: list[int]) -> float:
     return statistics.median(values) / 1e3 if values else float("nan")
 
 
+def ray_worker_steps() -> list:
+    """The worker steps every Ray worker process has dumped so far (ray_worker_setup_hook)."""
+    steps: list = []
+    for path in glob.glob(WORKER_STAMPS.format(pid="*")):
+        with open(path) as f:
+            steps += json.load(f)
+    return steps
+
+
+def install_in_process_timers() -> Callable[[], list]:
+    """Timers on this process's ModelRunner; returns the source of its recorded steps."""
+    store = _install_worker_timers()
+    return lambda: store["steps"]
+
+
 def profile_batch(llm: LLM, batch: int, context: int, steps: int, vocab: int,
-                  worker_steps_source, mixed_prompt_len: int = 0) -> dict:
+                  worker_steps_source: Callable[[], list], mixed_prompt_len: int = 0) -> dict[str, float]:
+    """Median µs per phase over `steps` decode steps of `batch` requests at ~`context` tokens
+    (with `mixed_prompt_len`, a new prompt of that length joins before every step)."""
     engine = llm.engine
     from raypaged.core.request import Request
 
@@ -165,84 +172,3 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, vocab: int,
         phases["ray.dispatch"].append(worker_start - exec_start)
         phases["ray.return"].append(exec_end - worker_end)
     return {name: _median_us(values) for name, values in sorted(phases.items())}
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--executors", default="uni,ray")
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--no-piecewise-cuda-graph", action="store_true",
-                        help="mixed steps run eagerly (the effect of piecewise graphs)")
-    parser.add_argument("--mixed-prompt-len", type=int, default=0,
-                        help="add a request with a prompt this long before every measured step, "
-                             "so each step mixes the batch's decodes with one prefill (eager)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="the engine's default mode (this profiler's phases read best sync)")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-
-    device, dtype_name, vocab, batch_sizes = decode_setup(args.shape, args.batch_sizes)
-    result = {"env": environment(), "args": vars(args), "phases_us": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_config(args.shape, dtype_name, Path(tmp))
-        for executor in args.executors.split(","):
-            if executor == "ray":
-                import ray
-
-                if not ray.is_initialized():
-                    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                             log_to_driver=False,
-                             runtime_env={"worker_process_setup_hook": ray_worker_setup_hook})
-
-                def worker_steps():
-                    import glob
-
-                    steps = []
-                    for path in glob.glob(WORKER_STAMPS.format(pid="*")):
-                        with open(path) as f:
-                            steps += json.load(f)
-                    return steps
-            else:
-                store = _install_worker_timers()
-
-                def worker_steps(store=store):
-                    return store["steps"]
-            batched_tokens = 8192 if device.type == "cuda" else 2048
-            llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
-                      max_model_len=max(args.context + decode_output_tokens(
-                          max(batch_sizes), args.context, args.steps, batched_tokens),
-                          args.mixed_prompt_len + args.steps + 16),
-                      max_num_seqs=max(batch_sizes) + (args.steps if args.mixed_prompt_len else 0),
-                      max_num_batched_tokens=batched_tokens,
-                      gpu_memory_utilization=0.85, kv_cache_memory_bytes=2**30,
-                      enforce_eager=args.enforce_eager, distributed_executor_backend=executor,
-                      piecewise_cuda_graph=not args.no_piecewise_cuda_graph,
-                      async_scheduling=args.async_scheduling)
-            for batch in batch_sizes:
-                phases = profile_batch(llm, batch, args.context, args.steps, vocab, worker_steps,
-                                       args.mixed_prompt_len)
-                result["phases_us"][f"{executor}/{batch}"] = phases
-                print(f"[{executor}] batch {batch}: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()),
-                      flush=True)
-            llm.shutdown()
-            del llm
-            release_memory(device)
-    keys = sorted({k for phases in result["phases_us"].values() for k in phases})
-    columns = list(result["phases_us"])
-    print("\n| phase (median µs) | " + " | ".join(columns) + " |")
-    print("| --- |" + " --- |" * len(columns))
-    for key in keys:
-        print(f"| {key} | " + " | ".join(f"{result['phases_us'][c].get(key, float('nan')):.0f}"
-                                         for c in columns) + " |")
-    name = (f"profile_step_{args.shape}_{device_tag()}" + ("_mixed" if args.mixed_prompt_len else "")
-            + ("_no_piecewise" if args.no_piecewise_cuda_graph else ""))
-    print(f"wrote {write_json(name, result, args.out)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
