@@ -2,9 +2,9 @@
 non_blocking=True)` from numpy, what the ModelRunner does) against packing them into pinned
 buffers sent with one copy per dtype (DeviceStaging below). Host time per step, the GPU idle at the start of each as between steps.
 
-    python benchmarks/bench_staging.py        # needs CUDA
+    python -m benchmarks.bench_staging        # needs CUDA; scripts/gpu.sh staging
 
-Writes benchmarks/results/staging_<device>.json.
+Writes staging_<device>.json to $OUT when set (the device machine's), else benchmarks/results/.
 """
 
 from __future__ import annotations

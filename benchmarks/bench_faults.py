@@ -5,7 +5,8 @@ the fault-free run's (no gap, no repeat, no change). CPU runs of the same faults
 tests/test_reliability_faults.py; NCCL differs in that a surviving rank blocks in its collective
 for good when its peer is gone.
 
-    source .device/setup.sh && python3 scripts/gpu_faults.py --out benchmarks/results
+    python -m benchmarks.bench_faults                # CPU: gloo -> faults_cpu.json
+    bash scripts/gpu.sh faults                        # two GPUs (NCCL), .device/ carried -> faults_h200x2.json
 """
 
 from __future__ import annotations
