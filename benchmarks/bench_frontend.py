@@ -6,7 +6,7 @@
    directly and through the gRPC server (tokens checked identical first): wall time, output
    tokens/s, TTFT and inter-token latency medians as the client sees them.
 
-    python benchmarks/bench_frontend.py [--streams 32] [--max-tokens 64]
+    python -m benchmarks.bench_frontend [--streams 32] [--max-tokens 64]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The small-batch linears of a decode step: Triton skinny GEMM (raypaged/kernels/gemv.py) against
 cuBLAS (F.linear), on the 8B's weight shapes, on a GPU.
 
-    python benchmarks/bench_gemv.py [--rows 1,2,4,8,16] [--tune-rows 1,8] [--tp 2] [--out DIR]
+    python -m benchmarks.bench_gemv [--rows 1,2,4,8,16] [--tune-rows 1,8] [--tp 2] [--out DIR]
 Checks each kernel config against F.linear first, then times: every call a CUDA-graph replay (as
 a decode step runs them), rotating over enough copies of the weight that they are >= 4x L2.
 Achieved bandwidth = (weight + input + output bytes) / time, against a device-to-device copy in

@@ -1,6 +1,6 @@
 """Paged-attention kernels on a GPU: check correctness, then time against the card's ceilings.
 
-    python benchmarks/bench_kernels.py [--tune decode,prefill] [--out DIR]
+    python -m benchmarks.bench_kernels [--tune decode,prefill] [--out DIR]
 
 Decode (32 q / 8 kv heads, head dim 128, bf16, block 16) at (batch, context) in DECODE_CASES:
 achieved bandwidth = bytes that must move (K and V of every context token once, q and out once,

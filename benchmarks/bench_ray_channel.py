@@ -2,8 +2,8 @@
 once, driven the way RayExecutor drives it (a Compiled Graph, the step's SchedulerOutput in, a
 ModelRunnerOutput back), beside a plain actor call.
 
-    python benchmarks/bench_ray_channel.py                 # CPU
-    python benchmarks/bench_ray_channel.py --gpu           # the worker holds a GPU, as on the H200
+    python -m benchmarks.bench_ray_channel                 # CPU
+    python -m benchmarks.bench_ray_channel --gpu           # the worker holds a GPU, as on the H200
 
 Payloads are a decode step's: `batch` running requests, one token each. Writes
 benchmarks/results/ray_channel_<device>.json.

@@ -1,8 +1,8 @@
 """Offline throughput on ShareGPT-like requests, three ways in one run, and where the KV memory
 goes while the engine serves them (issue 8's "Offline throughput" and "Memory" benchmarks).
 
-    python benchmarks/bench_throughput.py       # CPU-sized: a tiny random Llama, 32 requests
-    bash scripts/gpu_perf.sh                    # the H200 run: 8B-shaped, bf16, 1,000 requests
+    python -m benchmarks.bench_throughput       # CPU-sized: a tiny random Llama, 32 requests
+    bash scripts/gpu.sh throughput              # the H200 run: 8B-shaped, bf16, 1,000 requests
 
 The requests come from the simulator's seeded ShareGPT-like trace (prompt ≈ 160 and output ≈ 340
 tokens on average, lognormal long tails, clipped to max_model_len), all there at the start; each

@@ -1,7 +1,7 @@
 """Tensor parallelism over Ray (issue 10): the same random-weights model at every --tp-sizes.
 
-    python benchmarks/bench_tp.py --tp-sizes 1,2          # CPU: tiny Llama, fp32, gloo
-    bash scripts/gpu_tp.sh                                # two H200s: 8B (and 70B), bf16, NCCL
+    python -m benchmarks.bench_tp --tp-sizes 1,2          # CPU: tiny Llama, fp32, gloo
+    bash scripts/gpu.sh tp                                # two H200s: 8B (and 70B), bf16, NCCL
 
 Every TP size runs on the Ray executor with load_format "dummy", whose tensors are generated
 whole from (seed, name) and then sliced per rank (model/loader.py): one model at every TP size.

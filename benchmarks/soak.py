@@ -9,9 +9,9 @@ cancelled by their clients at random moments and some with deadlines. Nothing ma
   the frontend, the engine actor, its workers, Ray's own — sampled throughout);
 - the server is SERVING throughout and exits 0 on SIGTERM.
 
-    python benchmarks/soak.py                        # 1,000 requests on the built-in demo model
-    python benchmarks/soak.py --num-requests 200 --model DIR --tp 2
-    python benchmarks/soak.py --server HOST:PORT --metrics-url http://HOST:PORT/metrics
+    python -m benchmarks.soak                        # 1,000 requests on the built-in demo model
+    python -m benchmarks.soak --num-requests 200 --model DIR --tp 2
+    python -m benchmarks.soak --server HOST:PORT --metrics-url http://HOST:PORT/metrics
 
 Prints a summary and writes benchmarks/results/soak_<name>.json. tests/test_reliability_soak.py
 runs a small version of the same code in CI.
