@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
 import time
@@ -104,7 +105,7 @@ async def end_to_end(model_dir: str, streams: int, max_tokens: int) -> dict:
                     tokens = await asyncio.gather(*[over_grpc(client, p, timings) for p in prompts])
             wall = time.perf_counter() - start
             ttft = [times[0] - s for s, times in timings]
-            itl = [b - a for _, times in timings for a, b in zip(times, times[1:])]
+            itl = [b - a for _, times in timings for a, b in itertools.pairwise(times)]
             return tokens, {"wall_s": round(wall, 3),
                             "output_tokens_per_s": round(streams * max_tokens / wall, 1),
                             "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2),

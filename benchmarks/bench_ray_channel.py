@@ -69,17 +69,18 @@ def main() -> int:
         step, answer = decode_step(batch)
         worker = ray.remote(EchoWorker).options(num_cpus=0.5, num_gpus=1 if args.gpu else 0).remote(answer)
         row = {"batch": batch,
-               "plain_actor_call": round_trips_us(lambda: ray.get(worker.execute_model.remote(step)),
+               "plain_actor_call": round_trips_us(lambda worker=worker, step=step: ray.get(worker.execute_model.remote(step)),
                                                   max(100, args.iterations // 10))}
         with InputNode() as inp:
             dag = MultiOutputNode([worker.execute_model.bind(inp)])
         compiled = dag.experimental_compile()
         try:
-            row["compiled_graph"] = round_trips_us(lambda: ray.get(compiled.execute(step)), args.iterations)
+            row["compiled_graph"] = round_trips_us(lambda compiled=compiled, step=step: ray.get(compiled.execute(step)),
+                                                      args.iterations)
             row["compiled_graph_get_timeout"] = round_trips_us(
-                lambda: ray.get(compiled.execute(step), timeout=60.0), args.iterations)
+                lambda compiled=compiled, step=step: ray.get(compiled.execute(step), timeout=60.0), args.iterations)
             row["compiled_graph_empty_payload"] = round_trips_us(
-                lambda: ray.get(compiled.execute(None)), args.iterations)
+                lambda compiled=compiled: ray.get(compiled.execute(None)), args.iterations)
         finally:
             compiled.teardown()
         ray.kill(worker)

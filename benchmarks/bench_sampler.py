@@ -83,9 +83,9 @@ def check_correctness(device: torch.device) -> dict:
     expected = torch.softmax(six / temperature, -1).double() * draws
     observed = torch.bincount(samples, minlength=6).double()
     chi2 = float(((observed - expected) ** 2 / expected).sum())
-    result = dict(mask_mismatches_gpu_vs_cpu=mask_mismatches, max_kept_value_diff=max_value_diff,
-                  greedy_is_argmax=greedy_ok, seeded_independent_of_batch=bool(seeded_ok),
-                  chi2_df5_200k_draws=chi2)
+    result = {"mask_mismatches_gpu_vs_cpu": mask_mismatches, "max_kept_value_diff": max_value_diff,
+                  "greedy_is_argmax": greedy_ok, "seeded_independent_of_batch": bool(seeded_ok),
+                  "chi2_df5_200k_draws": chi2}
     assert greedy_ok and seeded_ok and chi2 < 35.9, result
     return result
 
@@ -103,7 +103,7 @@ def time_scenarios(device: torch.device, batch_sizes: list[int]) -> list[dict]:
         for name, params in SCENARIOS.items():
             logits = (noise * LOGIT_SCALE.get(name, 3.0)).bfloat16()
             md = build([params] * batch, prompts, outputs, device)
-            forward_ms = do_bench(lambda: sampler(logits, md), warmup=25, rep=200)
+            forward_ms = do_bench(lambda logits=logits, md=md: sampler(logits, md), warmup=25, rep=200)
             torch.cuda.synchronize()
             starts = []
             for _ in range(20):
@@ -112,7 +112,7 @@ def time_scenarios(device: torch.device, batch_sizes: list[int]) -> list[dict]:
                 torch.cuda.synchronize()
                 starts.append(time.perf_counter() - t0)
             build_ms = sorted(starts)[len(starts) // 2] * 1e3
-            rows.append(dict(batch=batch, scenario=name, forward_ms=forward_ms, build_ms=build_ms))
+            rows.append({"batch": batch, "scenario": name, "forward_ms": forward_ms, "build_ms": build_ms})
             print(f"B={batch:4d} {name:20s} forward {forward_ms:7.3f} ms   build {build_ms:7.3f} ms", flush=True)
     return rows
 

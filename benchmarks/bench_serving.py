@@ -314,8 +314,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "2048; 0: keep all). 512 keeps the CPU run's tails short")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="pool size in blocks for both modes (default on CPU %d; on CUDA the "
-                             "paged server's profiled pool)" % CPU_NUM_KV_BLOCKS)
+                        help=f"pool size in blocks for both modes (default on CPU {CPU_NUM_KV_BLOCKS}; on "
+                             "CUDA the paged server's profiled pool)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
     parser.add_argument("--stop-ttft-s", type=float, default=10.0,

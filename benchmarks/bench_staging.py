@@ -103,11 +103,11 @@ def main() -> int:
     for batch in (1, 64, 256):
         longs, ints = step_arrays(batch)
 
-        def pageable():
+        def pageable(longs=longs, ints=ints):
             [torch.from_numpy(a).to(device, non_blocking=True) for a in longs]
             [torch.from_numpy(a.astype(np.int32)).to(device, non_blocking=True) for a in ints]
 
-        def staged():
+        def staged(longs=longs, ints=ints):
             staging.upload(longs, torch.int64)
             staging.upload(ints, torch.int32)
 

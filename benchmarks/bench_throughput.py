@@ -277,8 +277,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV pool size in blocks, the same for both modes (default: profiled "
-                             "on CUDA; on CPU %d, four max-length reservations of the tiny shape)"
-                             % CPU_NUM_KV_BLOCKS)
+                             f"on CUDA; on CPU {CPU_NUM_KV_BLOCKS}, four max-length reservations of the "
+                             "tiny shape)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,

@@ -38,6 +38,7 @@ for _key, _value in MULTICAST_OFF.items():
     os.environ.setdefault(_key, _value)
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -126,7 +127,7 @@ def step_collectives(worker, batch: int, iters: int) -> dict:
         rows.append(marks)
     if cuda:
         torch.cuda.synchronize()
-    ms = [[a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in zip(m, m[1:])] for m in rows[3:]]
+    ms = [[a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in itertools.pairwise(m)] for m in rows[3:]]
     out = {f"{part}_ms": statistics.median(r[i] for r in ms) for i, part in enumerate(parts)}
     return {**out, "total_ms": statistics.median(sum(r) for r in ms), "all_reduces": reduces,
             "padded_batch": padded, "cuda_graph": graphs is not None}
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     measure(run, args, model_dir, tp, dtype_name, vocab, batch_sizes, device, eager)
                     break
-                except Exception as e:  # recorded; the other TP sizes still run
+                except Exception as e:  # noqa: BLE001 - recorded; the other TP sizes still run
                     run["error" if eager else "error_with_cuda_graphs"] = f"{type(e).__name__}: {e}"
                     print(f"[tp {tp}] failed: {type(e).__name__}: {e}", flush=True)
                     import ray

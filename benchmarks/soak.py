@@ -33,6 +33,7 @@ import time
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import Self
 
 import grpc
 
@@ -293,7 +294,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Sampler:
+    def __enter__(self) -> Self:
         self._started = time.monotonic()
         self._thread.start()
         return self

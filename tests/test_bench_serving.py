@@ -29,6 +29,7 @@ from benchmarks.serving_report import (
     should_stop,
     summarize_rate,
 )
+import itertools
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
@@ -43,7 +44,7 @@ def test_percentile_is_numpys_linear_method(size):
 def test_poisson_offsets_start_at_zero_and_have_exponential_gaps():
     offsets = poisson_offsets(20000, rate=8.0, seed="s")
     assert offsets[0] == 0.0
-    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert min(gaps) >= 0
     # Exponential with mean 1/rate: the standard deviation equals the mean (coefficient of
     # variation 1; evenly spaced sends would give 0).
