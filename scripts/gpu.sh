@@ -28,7 +28,7 @@
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
-#   sampler      the sampler's forward and metadata build -> sampler.json, <1
+#   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
 #   tp           tensor parallelism at TP 1 and 2 (kind nvidia-h200-x2) [Ray] -> tp_8b_h200.json, .png, ~4
 #   faults       a TP=2 rank killed / raising / hanging (kind nvidia-h200-x2) [Ray] -> faults_h200x2.json, ~2
 #   all          every one-GPU suite above, in order (longer than one device call: name suites instead)
