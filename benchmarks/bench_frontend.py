@@ -6,22 +6,19 @@
    directly and through the gRPC server (tokens checked identical first): wall time, output
    tokens/s, TTFT and inter-token latency medians as the client sees them.
 
-    python benchmarks/bench_frontend.py [--streams 32] [--max-tokens 64]
+    python -m benchmarks.bench_frontend [--streams 32] [--max-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from common import environment, write_json  # noqa: E402
+from benchmarks.lib.common import environment, write_json
 
 
 def processor_cost(tokenizer, vocab: int, num_tokens: int = 20000) -> dict:
@@ -108,7 +105,7 @@ async def end_to_end(model_dir: str, streams: int, max_tokens: int) -> dict:
                     tokens = await asyncio.gather(*[over_grpc(client, p, timings) for p in prompts])
             wall = time.perf_counter() - start
             ttft = [times[0] - s for s, times in timings]
-            itl = [b - a for _, times in timings for a, b in zip(times, times[1:])]
+            itl = [b - a for _, times in timings for a, b in itertools.pairwise(times)]
             return tokens, {"wall_s": round(wall, 3),
                             "output_tokens_per_s": round(streams * max_tokens / wall, 1),
                             "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2),
@@ -132,8 +129,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    from checkpoints import checkpoint_dir
     from transformers import AutoTokenizer
+
+    from tests.checkpoints import checkpoint_dir  # the tiny test checkpoint
 
     model_dir = str(checkpoint_dir("llama"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

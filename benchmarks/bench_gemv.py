@@ -1,7 +1,7 @@
 """The small-batch linears of a decode step: Triton skinny GEMM (raypaged/kernels/gemv.py) against
 cuBLAS (F.linear), on the 8B's weight shapes, on a GPU.
 
-    python benchmarks/bench_gemv.py [--rows 1,2,4,8,16] [--tune-rows 1,8] [--tp 2] [--out DIR]
+    python -m benchmarks.bench_gemv [--rows 1,2,4,8,16] [--tune-rows 1,8] [--tp 2] [--out DIR]
 Checks each kernel config against F.linear first, then times: every call a CUDA-graph replay (as
 a decode step runs them), rotating over enough copies of the weight that they are >= 4x L2.
 Achieved bandwidth = (weight + input + output bytes) / time, against a device-to-device copy in
@@ -22,12 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import L2_BYTES, copy_bandwidth, environment, graph_time, log  # noqa: E402
-from common import SHAPES, add_replot_argument, device_tag, replot  # noqa: E402
-
-from raypaged.kernels import gemv_table  # noqa: E402
-from raypaged.kernels.gemv import gemv_triton, padded_rows  # noqa: E402
+from benchmarks.bench_kernels import (
+    L2_BYTES,
+    copy_bandwidth,
+    environment,
+    graph_time,
+    log,
+)
+from benchmarks.lib.common import SHAPES, add_replot_argument, device_tag, replot
+from raypaged.kernels import gemv_table
+from raypaged.kernels.gemv import gemv_triton, padded_rows
 
 DTYPE = torch.bfloat16
 
@@ -76,24 +80,24 @@ def sweep(case: Case) -> list[dict]:
     # around the best. Past 16 rows the rows' own tile, re-read by every program, grows with them:
     # wider weight tiles reuse it, and split-K gives the fewer programs of a narrow weight work.
     if case.rows <= 16:
-        configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+        configs = [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
                    for bn, bk, w, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]
     else:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        configs = [dict(block_n=bn, block_k=128, num_warps=w, num_stages=st, split_k=split)
+        configs = [{"block_n": bn, "block_k": 128, "num_warps": w, "num_stages": st, "split_k": split}
                    for (bn, w), st, split in itertools.product(
                        ((64, 4), (128, 4), (128, 8), (256, 8)), (3, 4), (1, 2, 4, 8))
                    if split == 1 or -(-case.out_features // bn) * split <= 2 * sms]
-        configs.append(dict(block_n=64, block_k=64, num_warps=4, num_stages=3, split_k=1))
+        configs.append({"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1})
     results = []
     for config in configs:
         try:
             error = case.max_error(**config)
             if error > 2.0:
                 raise AssertionError(f"error {error:.2f}x cuBLAS's rounding")
-            seconds = case.time(lambda x, w: gemv_triton(x, w, **config))
+            seconds = case.time(lambda x, w, config=config: gemv_triton(x, w, **config))
             results.append({"config": config, "seconds": seconds, "TBps": case.bytes / seconds / 1e12})
-        except Exception as exc:  # a config that fails to compile or to fit is recorded, not fatal
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile or fit is recorded
             results.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
     return results
 
@@ -196,7 +200,7 @@ def main() -> int:
                                   ("tuned", best.get(nearest))]:
                 if config is None:
                     continue
-                seconds = case.time(lambda x, w: gemv_triton(x, w, **config))
+                seconds = case.time(lambda x, w, config=config: gemv_triton(x, w, **config))
                 row[f"{label}_config"] = config
                 row[f"{label}_s"] = seconds
                 row[f"{label}_TBps"] = case.bytes / seconds / 1e12

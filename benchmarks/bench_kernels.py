@@ -1,6 +1,6 @@
 """Paged-attention kernels on a GPU: check correctness, then time against the card's ceilings.
 
-    python benchmarks/bench_kernels.py [--tune decode,prefill] [--out DIR]
+    python -m benchmarks.bench_kernels [--tune decode,prefill] [--out DIR]
 
 Decode (32 q / 8 kv heads, head dim 128, bf16, block 16) at (batch, context) in DECODE_CASES:
 achieved bandwidth = bytes that must move (K and V of every context token once, q and out once,
@@ -33,15 +33,23 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-
-from raypaged.kernels.paged_decode import choose_num_splits, default_launch_config, paged_decode_triton
+from benchmarks.lib import common
+from raypaged.kernels.paged_decode import (
+    choose_num_splits,
+    default_launch_config,
+    paged_decode_triton,
+)
 from raypaged.kernels.paged_prefill import CUDA_DEFAULT as PREFILL_VARIANT
-from raypaged.kernels.paged_prefill import default_launch_config as prefill_launch_config
+from raypaged.kernels.paged_prefill import (
+    default_launch_config as prefill_launch_config,
+)
 from raypaged.kernels.paged_prefill import paged_prefill_triton
 from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref
-from raypaged.kernels.testing import check_against_reference, query_start_loc, random_paged_batch
+from raypaged.kernels.testing import (
+    check_against_reference,
+    query_start_loc,
+    random_paged_batch,
+)
 from raypaged.kernels.triton_common import num_sms
 
 DECODE_CASES = [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]
@@ -166,7 +174,7 @@ def bench_decode(case: DecodeCase, copy_bw: float, tune: bool) -> dict:
                 fn(0), lambda cd: paged_decode_ref(case.q[r0], *args, compute_dtype=cd), DTYPE)
             row["sdpa_max_rel_err"] = max(row["sdpa_max_rel_err"], err)
             row["sdpa_variants_s"][name] = graph_time(fn, case.variants)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             row["sdpa_variants_s"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
     row["paged_s"] = case.time_paged(case.paged)
@@ -179,7 +187,7 @@ def bench_decode(case: DecodeCase, copy_bw: float, tune: bool) -> dict:
     row["paging_cost"] = row["paged_s"] / row["contiguous_s"] - 1
     if tune:
         row["sweep"] = sweep_decode(case, splits)
-    del keys, values, contiguous
+    keys = values = contiguous = None  # the contiguous copies go before the next case
     return row
 
 
@@ -188,8 +196,8 @@ def sweep_decode(case: DecodeCase, splits: int) -> list[dict]:
     for tile_n in (32, 64, 128):
         for num_warps in (4, 8):
             for num_stages in (2, 3, 4):
-                config = dict(tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-                              num_splits=splits)
+                config = {"tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages,
+                              "num_splits": splits}
                 results.append(time_config(case, config))
     best = min(results, key=lambda r: r.get("seconds", math.inf))
     for factor in (0.25, 0.5, 2, 4):
@@ -205,7 +213,7 @@ def time_config(case: DecodeCase, config: dict) -> dict:
         seconds = graph_time(lambda i: case.run_paged(case.paged, i, **config), case.variants,
                              calls=10, replays=10)
         return {"config": config, "seconds": seconds, "TBps": case.bytes / seconds / 1e12}
-    except Exception as exc:  # a config that fails to compile or to fit is recorded, not fatal
+    except Exception as exc:  # noqa: BLE001 - a config that fails to compile or to fit is recorded, not fatal
         return {"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
@@ -241,7 +249,7 @@ def bench_prefill(tokens: int, tune: bool) -> dict:
     for name, fn in sdpa_variants.items():
         try:
             row["sdpa_variants_s"][name] = do_bench(fn, warmup=50, rep=400, return_mode="median") / 1e3
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             row["sdpa_variants_s"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
     timings = [t for t in row["sdpa_variants_s"].values() if isinstance(t, float)]
     row["sdpa_s"] = min(timings)  # the faster SDPA variant is the baseline
@@ -256,15 +264,15 @@ def bench_prefill(tokens: int, tune: bool) -> dict:
             (128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 64, 4, 3, True),
             (64, 64, 4, 3, True), (128, 32, 4, 4, True), (256, 64, 8, 2, True),
         ]:
-            config = dict(block_m=block_m, block_n=block_n, num_warps=num_warps,
-                          num_stages=num_stages, pack_gqa=pack_gqa)
+            config = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps,
+                          "num_stages": num_stages, "pack_gqa": pack_gqa}
             try:
                 check_against_reference(paged_prefill_triton(q, *args, **step_kv, **config),
                                         lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), DTYPE)
-                seconds = do_bench(lambda: paged_prefill_triton(q, *args, out=out, **step_kv, **config),
+                seconds = do_bench(lambda config=config: paged_prefill_triton(q, *args, out=out, **step_kv, **config),
                                    warmup=25, rep=150, return_mode="median") / 1e3
                 row["sweep"].append({"config": config, "seconds": seconds, "TFLOPs": flops / seconds / 1e12})
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 row["sweep"].append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             log("  prefill", tokens, row["sweep"][-1])
     return row
@@ -367,7 +375,7 @@ def main() -> int:
             else:
                 row = result["head_major_decode"] = bench_head_major(copy_bw)
             log(row if isinstance(row, list) else {k: v for k, v in row.items() if k != "sweep"})
-        except Exception as exc:  # keep what was measured; record what failed
+        except Exception as exc:  # noqa: BLE001 - keep what was measured; record what failed
             result["errors"].append(f"{kind} {point}: {type(exc).__name__}: {exc}")
             log("FAILED", result["errors"][-1])
         torch.cuda.empty_cache()
@@ -377,7 +385,7 @@ def main() -> int:
     json_path.write_text(json.dumps(result, indent=1))
     try:
         plot(result, args.out / f"{stem}.png")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001
         log("plot failed:", exc)
     summarize(result)
     return 1 if result["errors"] else 0

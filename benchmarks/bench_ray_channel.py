@@ -2,8 +2,8 @@
 once, driven the way RayExecutor drives it (a Compiled Graph, the step's SchedulerOutput in, a
 ModelRunnerOutput back), beside a plain actor call.
 
-    python benchmarks/bench_ray_channel.py                 # CPU
-    python benchmarks/bench_ray_channel.py --gpu           # the worker holds a GPU, as on the H200
+    python -m benchmarks.bench_ray_channel                 # CPU
+    python -m benchmarks.bench_ray_channel --gpu           # the worker holds a GPU, as on the H200
 
 Payloads are a decode step's: `batch` running requests, one token each. Writes
 benchmarks/results/ray_channel_<device>.json.
@@ -15,14 +15,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # noqa: E402
-
-from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput  # noqa: E402
+from benchmarks.lib.common import environment, write_json
+from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 
 def decode_step(batch: int, context: int = 1024) -> tuple[SchedulerOutput, ModelRunnerOutput]:
@@ -72,17 +69,18 @@ def main() -> int:
         step, answer = decode_step(batch)
         worker = ray.remote(EchoWorker).options(num_cpus=0.5, num_gpus=1 if args.gpu else 0).remote(answer)
         row = {"batch": batch,
-               "plain_actor_call": round_trips_us(lambda: ray.get(worker.execute_model.remote(step)),
+               "plain_actor_call": round_trips_us(lambda worker=worker, step=step: ray.get(worker.execute_model.remote(step)),
                                                   max(100, args.iterations // 10))}
         with InputNode() as inp:
             dag = MultiOutputNode([worker.execute_model.bind(inp)])
         compiled = dag.experimental_compile()
         try:
-            row["compiled_graph"] = round_trips_us(lambda: ray.get(compiled.execute(step)), args.iterations)
+            row["compiled_graph"] = round_trips_us(lambda compiled=compiled, step=step: ray.get(compiled.execute(step)),
+                                                      args.iterations)
             row["compiled_graph_get_timeout"] = round_trips_us(
-                lambda: ray.get(compiled.execute(step), timeout=60.0), args.iterations)
+                lambda compiled=compiled, step=step: ray.get(compiled.execute(step), timeout=60.0), args.iterations)
             row["compiled_graph_empty_payload"] = round_trips_us(
-                lambda: ray.get(compiled.execute(None)), args.iterations)
+                lambda compiled=compiled: ray.get(compiled.execute(None)), args.iterations)
         finally:
             compiled.teardown()
         ray.kill(worker)

@@ -1,23 +1,22 @@
 """Sampler on the GPU: correctness checks first, then per-step time at a Llama-3 vocabulary.
 
-    PYTHONPATH=. python benchmarks/bench_sampler.py [--out benchmarks/results/sampler.json]
+    python -m benchmarks.bench_sampler [--out DIR]       # needs CUDA; scripts/gpu.sh sampler
 
 Checks (on the device): greedy = argmax; processed logits match the CPU path token for token;
 seeded tokens independent of batch composition; temperature draws pass a chi-square bound.
 Times (CUDA, triton.testing.do_bench median): Sampler.forward with prebuilt metadata, and the
 host-side SamplingMetadata.build, for batch sizes 1 / 64 / 128 and each parameter mix.
+Writes sampler_<device>.json under --out (default benchmarks/results).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import subprocess
 import time
 
 import torch
 
+from benchmarks.lib.common import device_tag, environment, write_json
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.worker.sampler import Sampler, processed_logits
 from raypaged.worker.sampling_metadata import SamplingMetadata
@@ -84,9 +83,9 @@ def check_correctness(device: torch.device) -> dict:
     expected = torch.softmax(six / temperature, -1).double() * draws
     observed = torch.bincount(samples, minlength=6).double()
     chi2 = float(((observed - expected) ** 2 / expected).sum())
-    result = dict(mask_mismatches_gpu_vs_cpu=mask_mismatches, max_kept_value_diff=max_value_diff,
-                  greedy_is_argmax=greedy_ok, seeded_independent_of_batch=bool(seeded_ok),
-                  chi2_df5_200k_draws=chi2)
+    result = {"mask_mismatches_gpu_vs_cpu": mask_mismatches, "max_kept_value_diff": max_value_diff,
+                  "greedy_is_argmax": greedy_ok, "seeded_independent_of_batch": bool(seeded_ok),
+                  "chi2_df5_200k_draws": chi2}
     assert greedy_ok and seeded_ok and chi2 < 35.9, result
     return result
 
@@ -104,7 +103,7 @@ def time_scenarios(device: torch.device, batch_sizes: list[int]) -> list[dict]:
         for name, params in SCENARIOS.items():
             logits = (noise * LOGIT_SCALE.get(name, 3.0)).bfloat16()
             md = build([params] * batch, prompts, outputs, device)
-            forward_ms = do_bench(lambda: sampler(logits, md), warmup=25, rep=200)
+            forward_ms = do_bench(lambda logits=logits, md=md: sampler(logits, md), warmup=25, rep=200)
             torch.cuda.synchronize()
             starts = []
             for _ in range(20):
@@ -113,28 +112,23 @@ def time_scenarios(device: torch.device, batch_sizes: list[int]) -> list[dict]:
                 torch.cuda.synchronize()
                 starts.append(time.perf_counter() - t0)
             build_ms = sorted(starts)[len(starts) // 2] * 1e3
-            rows.append(dict(batch=batch, scenario=name, forward_ms=forward_ms, build_ms=build_ms))
+            rows.append({"batch": batch, "scenario": name, "forward_ms": forward_ms, "build_ms": build_ms})
             print(f"B={batch:4d} {name:20s} forward {forward_ms:7.3f} ms   build {build_ms:7.3f} ms", flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/sampler.json")
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--batch-sizes", default="1,64,128")
     args = parser.parse_args()
     device = torch.device("cuda")
     checks = check_correctness(device)
     print("checks:", checks, flush=True)
     timings = time_scenarios(device, [int(b) for b in args.batch_sizes.split(",")])
-    # The device machine's copy of the tree may carry no git history: say so rather than guess.
-    commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    record = dict(commit=commit, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  python=platform.python_version(), vocab=VOCAB, prompt_len=PROMPT_LEN,
-                  output_len=OUTPUT_LEN, checks=checks, timings=timings)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    record = {"env": environment(), "vocab": VOCAB, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+              "checks": checks, "timings": timings}
+    print(f"wrote {write_json(f'sampler_{device_tag()}', record, args.out)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Scheduler hot path: microseconds per engine step for schedule() + update_from_output() with
 512 running decode requests and a fake runner (one token per request, built outside the timing).
 
-    python benchmarks/bench_scheduler.py            # table + benchmarks/results/scheduler_cpu.json
-    python benchmarks/bench_scheduler.py --profile  # cProfile of the timed steps, top functions
+    python -m benchmarks.bench_scheduler            # table + benchmarks/results/scheduler_cpu.json
+    python -m benchmarks.bench_scheduler --profile  # cProfile of the timed steps, top functions
 
 Cases: short and long contexts (per-step cost must not grow with context length), prefix caching
 on and off (on: a request that fills a block hashes it into the prefix cache; with staggered

@@ -2,8 +2,8 @@
 with the paged KV cache and with the max_model_len reservation baseline on the same pool (issue
 8's "Serving" benchmark, the shape of vLLM's benchmark_serving.py).
 
-    python benchmarks/bench_serving.py          # CPU-sized: the built-in demo model, ~3 minutes
-    bash scripts/gpu_serving.sh                 # the H200 run: 8B-shaped, bf16, random weights
+    python -m benchmarks.bench_serving          # CPU-sized: the built-in demo model, ~3 minutes
+    bash scripts/gpu.sh serving                 # the H200 run: 8B-shaped, bf16, random weights
 
 For each KV mode (paged; `--kv-cache-mode contiguous`, where every request reserves max_model_len
 slots when it starts) one server is started, and for each rate, ascending, N requests are sent
@@ -12,7 +12,7 @@ with exponential gaps (seeded) and streamed. Requests are the simulator's ShareG
 lengths (fresh ids at every rate, so the prefix cache cannot serve one rate from the last), each
 with max_tokens = its output length and ignore_eos, so every request generates exactly that.
 Requests longer than --max-total-len are dropped, as vLLM's benchmark drops ShareGPT's past
-2,048 (scripts/gpu_serving.sh does the same; the CPU default, 512, keeps its tails short).
+2,048 (scripts/gpu.sh serving does the same; the CPU default, 512, keeps its tails short).
 
 Per rate, as the client sees it: TTFT (send → first token), inter-token latency (the gap before
 each streamed chunk, split over the chunk's tokens), TPOT ((E2E − TTFT) / (tokens − 1)), E2E;
@@ -39,15 +39,27 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, device_tag, environment, write_config, write_json  # noqa: E402
-from soak import LaunchedServer, scrape  # noqa: E402
-from bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests  # noqa: E402
-
-from serving_report import (KV_GAUGES, Timing, kv_summary, max_rate_meeting,  # noqa: E402
-                            print_rate, print_table, save_plot, should_stop, summarize_rate)
-
-from raypaged.client import AsyncClient, Client, RequestError  # noqa: E402
+from benchmarks.bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests
+from benchmarks.lib.common import (
+    SHAPES,
+    device_tag,
+    environment,
+    write_config,
+    write_json,
+)
+from benchmarks.serving_report import (
+    KV_GAUGES,
+    Timing,
+    kv_summary,
+    max_rate_meeting,
+    print_rate,
+    print_table,
+    save_plot,
+    should_stop,
+    summarize_rate,
+)
+from benchmarks.soak import LaunchedServer, scrape
+from raypaged.client import AsyncClient, Client, RequestError
 
 MODES = ("paged", "contiguous")
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
@@ -239,7 +251,7 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
         for rate in args.rates:
             used = time.perf_counter() - started
             # Its arrivals, then about the last rate's slowest request to drain: past the budget,
-            # the rate is not started (scripts/gpu_serving.sh has 5 minutes for both modes).
+            # the rate is not started (scripts/gpu.sh serving gives each mode 200 s).
             tail_s = mode_record["rates"][-1]["e2e"]["p99_ms"] / 1e3 if mode_record["rates"] else 0.0
             if args.mode_budget_s and used + len(requests) / rate + tail_s > args.mode_budget_s:
                 mode_record["skipped_rates_for_budget"] = [r for r in args.rates if r >= rate]
@@ -302,8 +314,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "2048; 0: keep all). 512 keeps the CPU run's tails short")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="pool size in blocks for both modes (default on CPU %d; on CUDA the "
-                             "paged server's profiled pool)" % CPU_NUM_KV_BLOCKS)
+                        help=f"pool size in blocks for both modes (default on CPU {CPU_NUM_KV_BLOCKS}; on "
+                             "CUDA the paged server's profiled pool)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
     parser.add_argument("--stop-ttft-s", type=float, default=10.0,

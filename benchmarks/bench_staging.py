@@ -2,9 +2,9 @@
 non_blocking=True)` from numpy, what the ModelRunner does) against packing them into pinned
 buffers sent with one copy per dtype (DeviceStaging below). Host time per step, the GPU idle at the start of each as between steps.
 
-    python benchmarks/bench_staging.py        # needs CUDA
+    python -m benchmarks.bench_staging        # needs CUDA; scripts/gpu.sh staging
 
-Writes benchmarks/results/staging_<device>.json.
+Writes staging_<device>.json to $OUT when set (the device machine's), else benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_tag, environment, write_json  # noqa: E402
-
-
+from benchmarks.lib.common import device_tag, environment, write_json
 
 # The alternative measured here (and dropped from the ModelRunner for losing): pack the step's
 # arrays into one pinned host buffer per dtype and send each with one asynchronous copy.
@@ -106,11 +103,11 @@ def main() -> int:
     for batch in (1, 64, 256):
         longs, ints = step_arrays(batch)
 
-        def pageable():
+        def pageable(longs=longs, ints=ints):
             [torch.from_numpy(a).to(device, non_blocking=True) for a in longs]
             [torch.from_numpy(a.astype(np.int32)).to(device, non_blocking=True) for a in ints]
 
-        def staged():
+        def staged(longs=longs, ints=ints):
             staging.upload(longs, torch.int64)
             staging.upload(ints, torch.int32)
 

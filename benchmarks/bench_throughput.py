@@ -1,8 +1,8 @@
 """Offline throughput on ShareGPT-like requests, three ways in one run, and where the KV memory
 goes while the engine serves them (issue 8's "Offline throughput" and "Memory" benchmarks).
 
-    python benchmarks/bench_throughput.py       # CPU-sized: a tiny random Llama, 32 requests
-    bash scripts/gpu_perf.sh                    # the H200 run: 8B-shaped, bf16, 1,000 requests
+    python -m benchmarks.bench_throughput       # CPU-sized: a tiny random Llama, 32 requests
+    bash scripts/gpu.sh throughput              # the H200 run: 8B-shaped, bf16, 1,000 requests
 
 The requests come from the simulator's seeded ShareGPT-like trace (prompt ≈ 160 and output ≈ 340
 tokens on average, lognormal long tails, clipped to max_model_len), all there at the start; each
@@ -32,13 +32,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (SHAPES, device_tag, environment, hf_random_model, release_memory,  # noqa: E402
-                    sync, write_config, write_json)
-
-from raypaged import LLM, SamplingParams  # noqa: E402
-from raypaged.core.request import Request  # noqa: E402
-from raypaged.simulator.traces import make_trace  # noqa: E402
+from benchmarks.lib.common import (
+    SHAPES,
+    device_tag,
+    environment,
+    hf_random_model,
+    release_memory,
+    sync,
+    write_config,
+    write_json,
+)
+from raypaged import LLM, SamplingParams
+from raypaged.core.request import Request
+from raypaged.simulator.traces import make_trace
 
 MODES = ("paged", "contiguous")
 FIRST_ID = 3  # ids 0-2 are unk / bos / eos in the benchmark configs
@@ -271,8 +277,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV pool size in blocks, the same for both modes (default: profiled "
-                             "on CUDA; on CPU %d, four max-length reservations of the tiny shape)"
-                             % CPU_NUM_KV_BLOCKS)
+                             f"on CUDA; on CPU {CPU_NUM_KV_BLOCKS}, four max-length reservations of the "
+                             "tiny shape)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,

@@ -1,7 +1,7 @@
 """Tensor parallelism over Ray (issue 10): the same random-weights model at every --tp-sizes.
 
-    python benchmarks/bench_tp.py --tp-sizes 1,2          # CPU: tiny Llama, fp32, gloo
-    bash scripts/gpu_tp.sh                                # two H200s: 8B (and 70B), bf16, NCCL
+    python -m benchmarks.bench_tp --tp-sizes 1,2          # CPU: tiny Llama, fp32, gloo
+    bash scripts/gpu.sh tp                                # two H200s: 8B (and 70B), bf16, NCCL
 
 Every TP size runs on the Ray executor with load_format "dummy", whose tensors are generated
 whole from (seed, name) and then sliced per rank (model/loader.py): one model at every TP size.
@@ -9,7 +9,7 @@ Per TP size, the JSON records
   - greedy tokens of 4 fixed prompts and, against the smallest TP size, the first diverging
     position per prompt. fp32 over gloo must match (--require-identical exits 1 if not); in bf16
     another all-reduce order can flip a near-tie, so on the GPU divergence is reported;
-  - decode step time at each --batch-sizes and --context (bench_engine.decode_step_ms);
+  - decode step time at each --batch-sizes and --context (benchmarks.lib.decode.decode_step_ms);
   - the collectives' share of that step, measured: all ranks replay, alone, one decode step's
     collectives, counted from the loaded model (an all-reduce of [batch padded to its CUDA
     graph, hidden] per row-parallel linear and for the vocab-parallel embedding, from a CUDA
@@ -21,7 +21,7 @@ Per TP size, the JSON records
     It misses waiting for the slower rank inside real steps: on CUDA, --profile-steps N traces
     N live steps per rank and sums the NCCL kernels (waits included; a `busy` well below the
     step time would mean the trace missed the CUDA graphs' kernels);
-  - offline throughput (bench_engine.throughput).
+  - offline throughput (benchmarks.lib.decode.throughput).
 A TP size is skipped, with the reason recorded, when the host has fewer GPUs than ranks or the
 rank's weights (the model built on the meta device) exceed --gpu-memory-utilization x its GPU.
 Writes benchmarks/results/tp_<shape>_<device>.json after every TP size, and a PNG.
@@ -37,21 +37,33 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 for _key, _value in MULTICAST_OFF.items():
     os.environ.setdefault(_key, _value)
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import itertools
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (check_batch_kept, decode_output_tokens, decode_step_ms, prompts,  # noqa: E402
-                          start_decoding, throughput)
-from common import (SHAPES, decode_setup, device_tag, environment, release_memory,  # noqa: E402
-                    write_config, write_json)
-
-from raypaged import LLM, SamplingParams  # noqa: E402
+from benchmarks.lib.common import (
+    SHAPES,
+    decode_setup,
+    device_tag,
+    environment,
+    release_memory,
+    write_config,
+    write_json,
+)
+from benchmarks.lib.decode import (
+    check_batch_kept,
+    decode_output_tokens,
+    decode_step_ms,
+    prompts,
+    start_decoding,
+    throughput,
+)
+from raypaged import LLM, SamplingParams
 
 GREEDY_PROMPT_LENS = (7, 19, 45, 100)
 
@@ -74,6 +86,7 @@ def step_collectives(worker, batch: int, iters: int) -> dict:
     import statistics
 
     import torch
+
     from raypaged.model import layers, parallel
 
     model, device, dtype = worker.model, worker.device, worker.dtype
@@ -114,7 +127,7 @@ def step_collectives(worker, batch: int, iters: int) -> dict:
         rows.append(marks)
     if cuda:
         torch.cuda.synchronize()
-    ms = [[a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in zip(m, m[1:])] for m in rows[3:]]
+    ms = [[a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in itertools.pairwise(m)] for m in rows[3:]]
     out = {f"{part}_ms": statistics.median(r[i] for r in ms) for i, part in enumerate(parts)}
     return {**out, "total_ms": statistics.median(sum(r) for r in ms), "all_reduces": reduces,
             "padded_batch": padded, "cuda_graph": graphs is not None}
@@ -310,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     measure(run, args, model_dir, tp, dtype_name, vocab, batch_sizes, device, eager)
                     break
-                except Exception as e:  # recorded; the other TP sizes still run
+                except Exception as e:  # noqa: BLE001 - recorded; the other TP sizes still run
                     run["error" if eager else "error_with_cuda_graphs"] = f"{type(e).__name__}: {e}"
                     print(f"[tp {tp}] failed: {type(e).__name__}: {e}", flush=True)
                     import ray

@@ -9,9 +9,9 @@ cancelled by their clients at random moments and some with deadlines. Nothing ma
   the frontend, the engine actor, its workers, Ray's own — sampled throughout);
 - the server is SERVING throughout and exits 0 on SIGTERM.
 
-    python benchmarks/soak.py                        # 1,000 requests on the built-in demo model
-    python benchmarks/soak.py --num-requests 200 --model DIR --tp 2
-    python benchmarks/soak.py --server HOST:PORT --metrics-url http://HOST:PORT/metrics
+    python -m benchmarks.soak                        # 1,000 requests on the built-in demo model
+    python -m benchmarks.soak --num-requests 200 --model DIR --tp 2
+    python -m benchmarks.soak --server HOST:PORT --metrics-url http://HOST:PORT/metrics
 
 Prints a summary and writes benchmarks/results/soak_<name>.json. tests/test_reliability_soak.py
 runs a small version of the same code in CI.
@@ -32,8 +32,8 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
+from typing import Self
 
 import grpc
 
@@ -294,7 +294,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Self:
         self._started = time.monotonic()
         self._thread.start()
         return self
@@ -430,8 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {config.num_requests} requests, {config.concurrency} at a time, "
           f"raypaged launch {' '.join(launch_args)}")
     result = run_soak(launch_args, config)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import environment, write_json
+    from benchmarks.lib.common import environment, write_json
 
     result["environment"] = environment()
     path = write_json(f"soak_{args.name}", result)

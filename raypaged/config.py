@@ -44,9 +44,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # Schedule step N+1 while the GPU runs step N (the workers answer each step one call late):
     # the host's part of a step (scheduling, inputs, Ray's dispatch and return) hides behind the
-    # GPU's. A request that stops computes one token more, which is dropped. On by default: on
-    # the H200 it removed Ray's cost per step and raised offline throughput by 26%
-    # (benchmarks/README.md); outputs are the same tokens either way.
+    # GPU's. A request that stops computes one token more, which is dropped. On by default: the
+    # host's part, Ray's included, stops adding to the step (benchmarks/README.md); outputs are
+    # the same tokens either way.
     async_scheduling: bool = True
     # paged: blocks on demand (PagedAttention). contiguous: every request reserves max_model_len
     # slots up front, the allocator PagedAttention replaces; kept as the benchmark baseline.

@@ -8,18 +8,28 @@ import asyncio
 import math
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_serving import FIRST_ID, fresh_prompts, poisson_offsets, send, trace_requests  # noqa: E402
-from serving_report import (Timing, kv_summary, max_rate_meeting, percentile,  # noqa: E402
-                            should_stop, summarize_rate)
+from benchmarks.bench_serving import (
+    FIRST_ID,
+    fresh_prompts,
+    poisson_offsets,
+    send,
+    trace_requests,
+)
+from benchmarks.serving_report import (
+    Timing,
+    kv_summary,
+    max_rate_meeting,
+    percentile,
+    should_stop,
+    summarize_rate,
+)
+import itertools
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
@@ -34,7 +44,7 @@ def test_percentile_is_numpys_linear_method(size):
 def test_poisson_offsets_start_at_zero_and_have_exponential_gaps():
     offsets = poisson_offsets(20000, rate=8.0, seed="s")
     assert offsets[0] == 0.0
-    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert min(gaps) >= 0
     # Exponential with mean 1/rate: the standard deviation equals the mean (coefficient of
     # variation 1; evenly spaced sends would give 0).

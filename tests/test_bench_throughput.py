@@ -5,19 +5,21 @@ the GPU; here only that what it counts is right.)"""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
 from checkpoints import checkpoint_dir
 from hf_oracle import random_prompts
-from raypaged import LLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_throughput import (BenchRequest, KVSample, hf_static_batching,  # noqa: E402
-                              memory_summary, run_engine, sharegpt_requests)
+from benchmarks.bench_throughput import (
+    BenchRequest,
+    KVSample,
+    hf_static_batching,
+    memory_summary,
+    run_engine,
+    sharegpt_requests,
+)
+from raypaged import LLM
 
 NAME = "llama"
 

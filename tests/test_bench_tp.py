@@ -6,14 +6,11 @@ that the machinery holds.)"""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_tp  # noqa: E402
+from benchmarks import bench_tp
 
 
 @pytest.fixture(scope="module", autouse=True)

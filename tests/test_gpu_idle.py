@@ -1,12 +1,9 @@
-"""benchmarks/gpu_idle.py's per-layer profile, on synthetic traces."""
+"""The decode trace's per-layer profile (benchmarks/lib/trace.py, bench_decode --mode trace), on
+synthetic traces."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from gpu_idle import layer_profile  # noqa: E402
+from benchmarks.lib.trace import layer_profile
 
 
 def trace(steps: int, layers: int, overlap: float = 0.0) -> list[tuple[float, float, str]]:

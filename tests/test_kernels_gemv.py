@@ -1,7 +1,7 @@
 """The skinny GEMM (raypaged/kernels/gemv.py) against the float64 product.
 
 On CPU it runs under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; the `gpu` test
-repeats it in bf16 at the 8B's shapes with the real compiler (scripts/gpu_kernels.sh). fp32 must
+repeats it in bf16 at the 8B's shapes with the real compiler (scripts/gpu.sh tests). fp32 must
 stay within 1e-5 relative of the exact product (IEEE products, fp32 sums); fp16/bf16 within
 twice the rounding error F.linear itself makes in that dtype.
 """

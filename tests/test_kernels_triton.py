@@ -1,7 +1,7 @@
 """Triton kernels against the torch references (themselves checked in test_kernels_reference).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); tests marked `gpu` repeat
-the checks on CUDA in bf16 at larger sizes (scripts/gpu_kernels.sh). Every batch comes from
+the checks on CUDA in bf16 at larger sizes (scripts/gpu.sh tests). Every batch comes from
 `random_paged_batch`: permuted block ids from a pool 4x larger than needed, NaN in every slot a
 kernel must not read, and NaN in the output buffer before the launch, so an unwritten output
 element or a stray read fails.
@@ -20,7 +20,7 @@ import torch
 
 from raypaged.kernels import ops
 from raypaged.kernels.paged_decode import choose_num_splits, paged_decode_triton
-from raypaged.kernels.paged_prefill import VARIANTS, paged_prefill_triton
+from raypaged.kernels.paged_prefill import CUDA_DEFAULT, VARIANTS, paged_prefill_triton
 from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref, write_kv_ref
 from raypaged.kernels.testing import (
     check_against_reference,
@@ -188,9 +188,12 @@ def test_prefill_step_kv_tile_shapes(block_m, block_n, block_size, new_kv):
                   block_m=block_m, block_n=block_n, new_kv=new_kv)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+# The engine runs CUDA_DEFAULT (and the fp32 / CPU configs the tests above cover); the other
+# variants are candidates that benchmarks/bench_prefill_variants.py times: they run with -m slow.
+@pytest.mark.parametrize("variant", [v if v == CUDA_DEFAULT else pytest.param(v, marks=pytest.mark.slow)
+                                     for v in sorted(VARIANTS)])
 def test_prefill_every_tuned_variant(variant):
-    # What the GPU tune script times, at interpreter size: a fresh prefill and a prefix hit.
+    # What the prefill-variants benchmark times, at interpreter size: a fresh prefill and a prefix hit.
     check_prefill([300, 200], [300, 70], 4, head_dim=128, dtype=torch.bfloat16, new_kv="tma",
                   fused_qkv=True, variant=variant)
 

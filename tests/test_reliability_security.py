@@ -304,8 +304,7 @@ def test_launch_refuses_bad_options_before_starting_anything():
 
 
 def test_launch_and_generate_with_tls_and_token(pki):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from soak import LaunchedServer
+    from benchmarks.soak import LaunchedServer
 
     server = LaunchedServer(["--model", str(checkpoint_dir("llama")), "--device", "cpu",
                              "--num-gpu-blocks-override", "32", "--tls-cert", pki["server"],

@@ -6,14 +6,10 @@ slow run is the full 1,000 on the built-in demo model."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from checkpoints import checkpoint_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from soak import SoakConfig, plan_requests, run_soak  # noqa: E402
+from benchmarks.soak import SoakConfig, plan_requests, run_soak
 
 MAX_RSS_GROWTH_MIB = 64
 

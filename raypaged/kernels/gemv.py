@@ -1,15 +1,14 @@
 """Triton skinny GEMM (GEMV-shaped): y = x Wᵀ (+ b) for a few rows of x.
 
 A decode step of a few requests multiplies a handful of activation rows by every weight of the
-model once, so its linears are bound by reading the weights. On the H200 cuBLAS runs the 8B's
-smaller ones (qkv, o) at ~3.1 / 2.5 TB/s at batch 1 and the down projection at 3.7
-(benchmarks/results/gemv_h200.json), against 4.24 TB/s of copy bandwidth.
+model once, so its linears are bound by reading the weights, and cuBLAS reads the 8B's smaller
+ones well below the copy bandwidth (benchmarks/README.md, small-batch linears).
 
 One program owns BLOCK_N output features for every row: it streams its [BLOCK_N, K] strip of W
 (row-major, contiguous along K) in [BLOCK_N, BLOCK_K] tiles and multiplies each with the rows'
 [M, BLOCK_K] tile. Rows pad to 16 for the tensor cores (tl.dot's minimum), or to the next power
 of two up to 64: with one row the tensor cores still beat a multiply-and-sum on the CUDA cores on
-every 8B shape (qkv 3.38 vs 2.87 TB/s, down 3.84 vs 2.82; results/gemv_h200_sweep.json).
+every 8B shape.
 
 Split-K (SPLIT_K > 1) gives a weight with few blocks of output features more programs: each split
 writes its fp32 partial sums to a workspace and counts itself in on a per-tile arrival counter;
@@ -17,9 +16,9 @@ the split that arrives last adds all the partials in split order, so the result 
 on which one that is, then resets the counter for the next launch (CUDA-graph replays included).
 The counters are one set per device, so split-K launches must not run concurrently on two streams
 of one device (a worker runs its model on one).
-At 1-16 rows it was no faster on the H200 (be345d9: qkv 3.45 TB/s unsplit vs 3.21 / 2.95 / 2.69
-at 2 / 4 / 8 splits), and the default config does not split; at 64 rows the rows' tile, re-read
-from L2 by every program, makes wide tiles pay, and wide tiles leave too few programs without it.
+At 1-16 rows it is no faster, and the default config does not split; at 64 rows the rows' tile,
+re-read from L2 by every program, makes wide tiles pay, and wide tiles leave too few programs
+without it.
 
 Which rows take this kernel is ops.linear's choice (`launch_config`): up to DEFAULT_ROWS everywhere,
 up to MAX_ROWS where the device's tuned table (gemv_table.py, written by bench_gemv.py) found it
@@ -27,12 +26,7 @@ faster than cuBLAS for that weight's shape.
 
 `gemv_rope` and `gemv_silu_mul` run the product with the decoder's next elementwise step in the
 epilogue (gemv_epilogues.py): ops.linear_rope / linear_silu_mul, from EPILOGUE_MIN_ROWS rows
-(`epilogue_config`). On the H200 they took batch 64's step from 6.65 to 6.49 ms (f98f215).
-
-Measured and not kept: SwiGLU's silu(gate) * up fused into the down projection's input load
-(1d0c41f: 1.9 TB/s against 3.4 for the separate kernel); with programmatic dependent launch, an
-L2 prefetch of the first 512 or 1,024 K columns of each program's weight strip before it waits on
-the previous kernel (57aab15: the 8B step at batch 1 4.24 ms without, 4.24 / 4.37 ms with).
+(`epilogue_config`). What was measured and not kept is in benchmarks/README.md (history).
 """
 
 from __future__ import annotations
@@ -156,7 +150,7 @@ def padded_rows(rows: int) -> int:
 def default_config(out_features: int, in_features: int, element_size: int = 2,
                    shared_memory: int = 227 * 1024, rows: int = 1) -> dict:
     """Launch config where the device has no tuned one, from the H200 sweeps at 1-16 rows
-    (bench_gemv.py, benchmarks/results/gemv_h200.json): 64 output features per program with 4
+    (benchmarks/bench_gemv.py): 64 output features per program with 4
     warps were best on every 8B shape; 256-wide K tiles where there are few programs (out <= 4096:
     o, down), 128-wide otherwise; as many pipeline stages as shared memory holds, up to 5; no
     split-K."""
@@ -212,10 +206,10 @@ def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, name: str
 
     Only from EPILOGUE_MIN_ROWS rows, and only where the device's tuned table has the shape,
     with the best config the sweep found for the kernel, even where the table chose cuBLAS for
-    the plain product: the separate kernel it saves costs more than the table's margin. Measured
-    on the H200 (b4f6e07, scripts/gpu_epilogues_ab.sh, three runs each): batch 64 6.48-6.52 ms a
-    step with them against 6.66-6.70 without; batch 1 4.26-4.27 against 4.22-4.24 and batch 8
-    4.60-4.63 against 4.63-4.64, hence the floor on rows. block_n narrows until its halves divide
+    the plain product: the separate kernel it saves costs more than the table's margin. Below
+    that many rows the separate kernels cost no more than the epilogues (under PDL the step was
+    no faster with them at 1 and 8 rows, faster at 64: benchmarks/README.md, history), hence the
+    floor on rows. block_n narrows until its halves divide
     `group`; it must stay 16 or more (tl.dot's minimum)."""
     if (not supports(x, weight) or x.shape[0] < EPILOGUE_MIN_ROWS
             or name not in os.environ.get(EPILOGUES_ENV_VAR, "rope,silu").split(",")):
@@ -317,12 +311,11 @@ def _dependents_at_end(epilogue: int) -> bool:
 
     At the start, as every other kernel does, the next kernel's launch overlaps this one. But
     when the next kernel is a GEMM too, its programs then take SMs as this one's last wave frees
-    them (our reading: they crowd onto the first ones freed), and on the H200 at batch 1 a down
-    projection launched that way
-    behind the gate/up GEMM with the SwiGLU epilogue added 34.5 µs a layer to the step, 30.2 when
-    launched at that GEMM's end (7821cca, scripts/gpu_epilogues_trace.sh). Letting every GEMM
-    trigger at its end cost 1.6 µs a layer at batch 1 instead. So only the SwiGLU-epilogue GEMM,
-    whose output goes straight into the down projection, triggers at its end."""
+    them (our reading: they crowd onto the first ones freed): a down projection launched that way
+    behind the gate/up GEMM with the SwiGLU epilogue added more to the step than one launched at
+    that GEMM's end, while every GEMM triggering at its end cost more still (benchmarks/README.md,
+    history). So only the SwiGLU-epilogue GEMM, whose output goes straight into the down
+    projection, triggers at its end."""
     forced = os.environ.get(TRIGGER_ENV_VAR)
     if forced in ("start", "end"):
         return forced == "end"

@@ -158,9 +158,9 @@ def _decode_merge_kernel(
 
 
 # Each split should stream at least this many tokens, or the merge costs more than it saves. On the
-# H200 one sequence of 1,024 tokens took 9.9 us in 4 splits and 8.1 us in 8 (128-token tiles,
-# 8 warps; short_context sweep, 0c32da4): at short contexts the latency of a split's serial
-# tiles, not the merge, is what costs.
+# H200 one sequence of 1,024 tokens took less time in 8 splits than in 4 (bench_kernels.py
+# --tune decode): at short contexts the latency of a split's serial tiles, not the merge, is
+# what costs.
 MIN_TOKENS_PER_SPLIT = 128
 MAX_NUM_SPLITS = 64
 # Programs per multiprocessor to aim for, so memory latency is hidden by many loads in flight.
@@ -184,7 +184,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
 def default_launch_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tile, warps and stages for the split kernel.
 
-    From the H200 sweep (benchmarks/results/kernels_h200_tune_decode.json, 18 configs x 4 shapes):
+    From the H200 sweep (benchmarks/bench_kernels.py --tune decode, 18 configs x 4 shapes):
     64-token tiles with 4 warps were best at every shape; 128-token tiles lost 2-10%, 32-token
     tiles 5-21%, 8 warps 4-33%. Stages 3 vs 4 were within noise.
     """

@@ -242,11 +242,10 @@ def _prefill_kernel(
     )
 
 
-# Named launch configurations. scripts/gpu_prefill_tune.sh checks and times every one of them on
-# the H200; CUDA_DEFAULT picks the one used for 16-bit inputs on CUDA (one line to change).
+# Named launch configurations. benchmarks/bench_prefill_variants.py checks and times every one of
+# them; CUDA_DEFAULT picks the one used for 16-bit inputs on CUDA (one line to change).
 VARIANTS: dict[str, dict] = {
-    # The previous default: H200 sweep (kernels_h200_tune_prefill.json) best of 14, 363 / 392
-    # TFLOP/s at 4k / 8k tokens; tile sizes, warps, stages and GQA packing all land 350-365.
+    # The previous default: every new token's K/V read through the block table.
     "baseline": dict(new_kv="cache", block_m=128, block_n=128, num_warps=8, num_stages=3),
     "ptr": dict(new_kv="ptr", block_m=128, block_n=128, num_warps=8, num_stages=3),
     "ptr_n64_w4": dict(new_kv="ptr", block_m=128, block_n=64, num_warps=4, num_stages=3),
@@ -261,9 +260,8 @@ VARIANTS: dict[str, dict] = {
     "tma_ws": dict(new_kv="tma", block_m=128, block_n=128, num_warps=8, num_stages=3,
                    warp_specialize=True),
 }
-# H200, kernels_h200_tune_prefill2.json (16c6e9d): "tma" 474 / 522 TFLOP/s at 4k / 8k tokens =
-# 0.91x / 0.95x SDPA in the same run (baseline 0.69x / 0.71x); tma_pack and tma_ws are within
-# 0.2% of it, so the simplest of the three is the default.
+# On the H200 "tma" was the fastest (benchmarks/results/prefill_variants_h200.json), tma_pack and
+# tma_ws within noise of it: the simplest of the three is the default.
 CUDA_DEFAULT = "tma"
 _COMMON = {"pack_gqa": False, "warp_specialize": False}
 

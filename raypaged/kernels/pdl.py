@@ -10,8 +10,7 @@ CUDA graph an output buffer may be one the predecessor still reads), so the orde
 the stream's, as without PDL.
 
 On wherever the device (compute capability 9+) and Triton support it; RAYPAGED_PDL=0 turns it
-off. Measured on the H200 (scripts/gpu_pdl.sh, 22b8580: the GPU tests pass with it, and the 8B
-decode step at batch 1 took 4.32 ms with it against 4.52 without; benchmarks/README.md).
+off. It shortens the decode step most at small batches (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Triton kernel: store each new token's K and V into its slot of the paged pools.
 
-Folding rope into it (one program per token rotating all of its q and k heads, then storing the
-rotated K) was built and measured at f1d76b4: the 8B decode step on the H200 took 4.35 ms at
-batch 1 and 6.87 at batch 64, against 4.24–4.32 and 6.71–6.96 without it in that session's
-other runs — no gain (at batch 1 one program serialises what the rope kernel spreads over 40
-heads' programs). Reverted; rope went into the qkv GEMM's epilogue instead (gemv_epilogues.py)."""
+Rope is not folded in here: one program per token would serialise what a rope kernel spreads
+over the heads' programs (tried, no faster: benchmarks/README.md, history); it runs in the qkv
+GEMM's epilogue or its own kernel instead (gemv_epilogues.py)."""
 
 from __future__ import annotations
 

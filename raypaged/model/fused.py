@@ -160,8 +160,8 @@ def _rope_table_kernel(positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, HALF: tl.c
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position · inv_freq, fp32 [T, D/2]: computed once a step, read by every
     layer's rope (here, or in the qkv GEMM's epilogue, raypaged/kernels/gemv_epilogues.py), which then
-    does no trigonometry of its own (in a GEMM's epilogue it made ptxas keep local memory, and
-    the qkv GEMM took 2.3 µs a layer more at batch 1 on the H200, 12e0e04)."""
+    does no trigonometry of its own (in a GEMM's epilogue the precise sin/cos made ptxas keep
+    local memory, and the qkv GEMM slower)."""
     tokens, half = positions.shape[0], inv_freq.shape[0]
     cos = torch.empty(tokens, half, dtype=torch.float32, device=positions.device)
     sin = torch.empty_like(cos)

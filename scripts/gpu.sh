@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The GPU runs, by suite, from the repository root of a working tree on the device machine:
+#
+#   RAYPAGED_COMMIT=<sha> bash scripts/gpu.sh SUITE [SUITE ...]
+#
+# Each suite is one benchmark command (below) writing its JSON (and PNG) to $OUT when set -- the
+# folder the device tool brings back, at most eight files a call -- else to benchmarks/results/;
+# its log goes to $OUT/<suite>.log (or /tmp/raypaged_gpu/). The device tree has no .git: pass the
+# commit in RAYPAGED_COMMIT, which every result records. Set-up (once a call): raypaged installed in
+# place with no downloads, the real Triton compiler (tests/conftest.py defaults TRITON_INTERPRET
+# to 1 for CPU runs), and for the suites marked Ray the .device/ bundle (../shared/device/GPU.md:
+# `make-bundle.sh .device`, carried with the call) plus the gRPC health / reflection wheels the
+# frontend needs (1.84.0: the machine's grpcio; `pip download --no-deps -d .device
+# "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"`).
+#
+# Suites (minutes on one H200, from the last runs; a device call is at most 10 minutes):
+#   tests        every GPU-marked test (bf16 kernels at the 8B's shapes, PDL on/off bit for bit,
+#                the engine against transformers in fp32 with CUDA graphs), ~4
+#   kernels      decode / prefill attention bandwidth and TFLOP/s -> kernels_h200.json, .png, ~3
+#   decode       the 8B engine's decode step at batch 1, 8, 64, 256 -> decode_8b_h200.json, .png, ~3
+#   trace        the same step traced: GPU busy vs wall, kernels -> decode_trace_8b_h200.json, .png, ~2
+#   phases       host phases of a step, in process and through Ray [Ray] -> decode_phases_8b_h200.json, ~3
+#   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
+#   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
+#   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
+#   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
+#   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
+#   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
+#   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
+#   staging      host cost of staging a step's inputs -> staging_h200.json, <1
+#   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
+#   tp           tensor parallelism at TP 1 and 2 (kind nvidia-h200-x2) [Ray] -> tp_8b_h200.json, .png, ~4
+#   faults       a TP=2 rank killed / raising / hanging (kind nvidia-h200-x2) [Ray] -> faults_h200x2.json, ~2
+#   all          every one-GPU suite above, in order (longer than one device call: name suites instead)
+# A suite's failure is reported and the next suite still runs; the exit status is 1 if any failed.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+OUT_DIR=${OUT:-benchmarks/results}
+LOG_DIR=${OUT:-/tmp/raypaged_gpu}
+mkdir -p "$OUT_DIR" "$LOG_DIR"
+ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving channel staging
+         sampler)
+# NVLink multicast can take the host's GPUs out of service (issue 10): never on.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+setup() {
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/raypaged_pip.log 2>&1 \
+        || { cat /tmp/raypaged_pip.log; exit 1; }
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null || true
+}
+
+RAY_READY=0
+use_ray() {
+    [ "$RAY_READY" = 1 ] && return 0
+    if [ -f .device/setup.sh ]; then
+        # shellcheck disable=SC1091
+        source .device/setup.sh
+    fi
+    if ! python3 -c "import grpc_health, grpc_reflection" 2>/dev/null \
+            && ls .device/grpcio_health_checking-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+            .device/grpcio_health_checking-*.whl .device/grpcio_reflection-*.whl
+    fi
+    python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry .device/ (../shared/device/GPU.md)"; return 1; }
+    RAY_READY=1
+}
+
+# Progress bars and Ray's chatter out of the log.
+quiet() { grep --line-buffered -v "Loading weights\|it/s\]\|compiled_dag_node\|authentication_token"; }
+
+bench() {  # suite timeout_s command...: run it under its timeout, log it, return its status
+    local suite=$1 limit=$2
+    shift 2
+    echo "== $suite: $*"
+    timeout -k 20 "$limit" "$@" 2>&1 | quiet | tee "$LOG_DIR/$suite.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $suite: exit $rc"
+    return "$rc"
+}
+
+gpu_test_files() {  # the files holding GPU tests: collecting the whole suite would import Ray
+    grep -rl --include="test_*.py" "mark.gpu" tests | sort
+}
+
+suite() {
+    case $1 in
+        tests) bench tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
+        kernels) bench kernels 300 python3 -m benchmarks.bench_kernels --out "$OUT_DIR" ;;
+        decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
+            --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
+            --prompt-len 64 --output-len 32 --out "$OUT_DIR" ;;
+        trace) bench trace 200 python3 -m benchmarks.bench_decode --mode trace --shape 8b --scheduling async \
+            --batch-sizes 1,64 --context 1024 --steps 30 --max-num-seqs 64 --max-num-batched-tokens 8192 \
+            --out "$OUT_DIR" ;;
+        phases) use_ray && bench phases 240 python3 -m benchmarks.bench_decode --mode phases --shape 8b \
+            --executors uni,ray --scheduling sync --batch-sizes 1,64 --context 1024 --steps 30 --out "$OUT_DIR" ;;
+        model) bench model 150 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
+            --context 1024 --out "$OUT_DIR" ;;
+        gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
+        prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
+        throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \
+            --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+            --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 128 --hf-batch-size 128 \
+            --hf-max-time 60 --out "$OUT_DIR" ;;
+        reservation) bench reservation 480 python3 -m benchmarks.bench_throughput --shape 8b-32k \
+            --num-requests 1000 --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+            --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 0 --out "$OUT_DIR" ;;
+        serving) use_ray && bench serving 560 python3 -m benchmarks.bench_serving --shape 8b --rates 24,40,56 \
+            --num-requests 1000 --warmup-rate-requests 200 --max-total-len 2048 --stop-ttft-s 10 \
+            --mode-budget-s 200 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
+        channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
+        staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
+        sampler) bench sampler 120 python3 -m benchmarks.bench_sampler --out "$OUT_DIR" ;;
+        tp) use_ray && bench tp 300 python3 -m benchmarks.bench_tp --shape 8b --tp-sizes 1,2 --batch-sizes 1,64 \
+            --context 1024 --decode-steps 30 --throughput-batch 256 --prompt-len 512 --output-len 256 \
+            --profile-steps 20 --out "$OUT_DIR" ;;
+        faults) use_ray && bench faults 240 python3 -m benchmarks.bench_faults --out "$OUT_DIR" ;;
+    esac
+}
+SUITES=" ${ONE_GPU[*]} tp faults all "
+
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
+suites=()
+for name in "$@"; do
+    [[ $SUITES == *" $name "* ]] || { echo "unknown suite '$name'; suites:$SUITES"; exit 2; }
+    if [ "$name" = all ]; then suites+=("${ONE_GPU[@]}"); else suites+=("$name"); fi
+done
+setup
+failed=()
+for name in "${suites[@]}"; do
+    suite "$name" || failed+=("$name")
+done
+ls -l "$OUT_DIR"
+[ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }
