@@ -14,9 +14,9 @@ from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.engine.core import EngineCore
-from raypaged.frontend.detokenizer import IncrementalDetokenizer
-from raypaged.frontend.stop_strings import StopStringMatcher
 from raypaged.outputs import CompletionOutput, RequestOutput
+from raypaged.text.detokenizer import IncrementalDetokenizer
+from raypaged.text.stop_strings import StopStringMatcher
 
 @dataclass
 class _SampleText:

@@ -17,9 +17,9 @@ from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRe
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
 from raypaged.frontend.metrics import FrontendMetrics, RequestTracker
-from raypaged.frontend.output_processor import RequestOutputProcessor
 from raypaged.frontend.validation import ModelLimits, RequestLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.text.output_processor import RequestOutputProcessor
 
 logger = logging.getLogger(__name__)
 
