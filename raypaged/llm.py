@@ -18,6 +18,7 @@ from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.text.detokenizer import IncrementalDetokenizer
 from raypaged.text.stop_strings import StopStringMatcher
 
+
 @dataclass
 class _SampleText:
     detokenizer: IncrementalDetokenizer
