@@ -7,7 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raypaged.core.sample_ids import SEPARATOR, parse_sample_id, sample_id, sample_request_id
+from raypaged.core.sample_ids import (
+    SEPARATOR,
+    parse_sample_id,
+    sample_id,
+    sample_request_id,
+)
 
 
 def test_sample_ids_name_one_sample_and_request_ids_keep_the_group_for_sample_0():
