@@ -25,8 +25,8 @@ def processor_cost(tokenizer, vocab: int, num_tokens: int = 20000) -> dict:
     from raypaged.core.outputs import EngineCoreOutput
     from raypaged.core.request import FinishReason, Request
     from raypaged.core.sampling_params import SamplingParams
-    from raypaged.frontend.output_processor import RequestOutputProcessor
     from raypaged.proto.v1 import raypaged_pb2 as pb
+    from raypaged.text.output_processor import RequestOutputProcessor
 
     rng = random.Random(0)
     ids = [rng.randrange(3, vocab) for _ in range(num_tokens)]

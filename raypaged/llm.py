@@ -12,11 +12,13 @@ from raypaged.config import EngineConfig
 from raypaged.core.errors import InvalidRequestError, RaypagedError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
+from raypaged.core.sample_ids import sample_id
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.engine.core import EngineCore
-from raypaged.frontend.detokenizer import IncrementalDetokenizer
-from raypaged.frontend.stop_strings import StopStringMatcher
 from raypaged.outputs import CompletionOutput, RequestOutput
+from raypaged.text.detokenizer import IncrementalDetokenizer
+from raypaged.text.stop_strings import StopStringMatcher
+
 
 @dataclass
 class _SampleText:
@@ -131,7 +133,7 @@ class LLM:
         sample.text += released
         if stop is not None:  # the text ends before the stop string; the engine drops the sample
             sample.finish_reason, sample.stop_reason = FinishReason.STOP.value, stop
-            self.engine.abort_requests([f"{out.group_id}#{out.sample_index}"])  # this sample only
+            self.engine.abort_requests([sample_id(out.group_id, out.sample_index)])  # this one only
         elif out.finished:
             sample.text += state.stop_matcher.flush()
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from raypaged.frontend.detokenizer import IncrementalDetokenizer
-from raypaged.frontend.stop_strings import StopStringMatcher
+from raypaged.text.detokenizer import IncrementalDetokenizer
+from raypaged.text.stop_strings import StopStringMatcher
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

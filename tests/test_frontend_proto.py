@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from raypaged.client import build_request, chunk_from_proto
-from raypaged.core.errors import InvalidRequestError
+from raypaged.core.errors import InvalidRequestError, RequestFailedError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
-from raypaged.frontend.errors import RequestFailedError
-from raypaged.frontend.output_processor import RequestOutputProcessor
 from raypaged.frontend.validation import ModelLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.text.output_processor import RequestOutputProcessor
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ModelLimits(max_model_len=64, vocab_size=100)

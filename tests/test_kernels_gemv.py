@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from raypaged.kernels import gemv, gemv_table
+from raypaged.kernels.activation import silu_and_mul_triton
 from raypaged.kernels.gemv import (
     MAX_ROWS,
     default_config,
@@ -24,7 +25,7 @@ from raypaged.kernels.gemv import (
     gemv_triton,
     supports,
 )
-from raypaged.model import fused
+from raypaged.kernels.rope import rope_in_place_triton, rope_tables_triton
 
 
 def check(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: str = "cpu",
@@ -149,13 +150,8 @@ def check_rope_epilogue(rows, q_heads, kv_heads, head_dim, dtype, bias, config, 
     inv_freq = (1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)).to(device)
     expected = gemv_triton(x, weight, b, config=config)
     q, k, _ = expected.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-    fused.set_force_triton(True)
-    try:
-        cos, sin = fused.rope_tables(positions, inv_freq)
-        fused.rope_in_place(q.view(rows, q_heads, head_dim), k.view(rows, kv_heads, head_dim),
-                            cos, sin)
-    finally:
-        fused.set_force_triton(False)
+    cos, sin = rope_tables_triton(positions, inv_freq)
+    rope_in_place_triton(q.view(rows, q_heads, head_dim), k.view(rows, kv_heads, head_dim), cos, sin)
     out = gemv_rope(x, weight, b, cos, sin, head_dim, (q_heads + kv_heads) * head_dim, config)
     _assert_same(out, expected)
 
@@ -163,11 +159,7 @@ def check_rope_epilogue(rows, q_heads, kv_heads, head_dim, dtype, bias, config, 
 def check_silu_epilogue(rows, intermediate, dtype, bias, config, device="cpu", in_features=96):
     x, weight, b = _epilogue_inputs(rows, 2 * intermediate, dtype, bias, seed=2, device=device,
                                     in_features=in_features)
-    fused.set_force_triton(True)
-    try:
-        expected = fused.silu_and_mul(gemv_triton(x, weight, b, config=config))
-    finally:
-        fused.set_force_triton(False)
+    expected = silu_and_mul_triton(gemv_triton(x, weight, b, config=config))
     out = gemv_silu_mul(x, weight, b, config)
     assert out.shape == (rows, intermediate)
     _assert_same(out, expected)

@@ -18,7 +18,7 @@ from raypaged.kernels import gemv
 from raypaged.kernels.gemv import default_config, gemv_rope, gemv_silu_mul, gemv_triton
 from raypaged.kernels.paged_decode import paged_decode_triton
 from raypaged.kernels.testing import random_paged_batch
-from raypaged.model.fused import add_rms_norm, rope_in_place, rope_tables, silu_and_mul
+from raypaged.kernels.ops import add_rms_norm, rope_in_place, rope_tables, silu_and_mul
 
 
 @pytest.fixture

@@ -164,18 +164,15 @@ def test_the_pieces_are_bitwise_the_forward_on_the_kernels_path():
     """The same through the Triton kernels (the interpreter): the rope tables piece 0 computes
     and keeps for the other pieces ([T, D/2] fp32 on this path) rotate as the forward's do."""
     from raypaged.kernels import ops
-    from raypaged.model import fused
 
     model = our_model("llama")[0]
     counting = CountingModel(model)
     ops.set_backend("triton")
-    fused.set_force_triton(True)
     try:
         eager = run("llama", counting, mixed_schedule("llama"))
         pieces = PiecewiseModel(model, counting.step_tokens)
         piecewise = run("llama", pieces, mixed_schedule("llama"))
     finally:
-        fused.set_force_triton(False)
         ops.set_backend("auto")
     assert pieces.graphs.rope_on_kernels and pieces.graphs.rope_cos.dtype == torch.float32
     assert_same_run(eager, piecewise, bitwise=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from raypaged.core.errors import InvalidRequestError, QueueFullError
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.request import Request, RequestStatus
+from raypaged.core.sample_ids import parse_sample_id, sample_id
 from raypaged.core.scheduler_config import SchedulerConfig
 
 
@@ -25,15 +26,15 @@ def check_new_request(request: Request, config: SchedulerConfig, kv_cache_manage
         raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
     if request_id in requests or request_id in groups or group_id in groups:
         raise InvalidRequestError(f"request id {request_id!r} is already in use")
-    # Samples of an n > 1 group get ids f"{group_id}#{i}": keep those free both ways.
-    owner, sep, _ = request_id.rpartition("#")
-    if sep and owner in groups:
+    # The forked samples of an n > 1 group get ids sample_id(group, i): keep those free both ways.
+    owner, index = parse_sample_id(request_id)
+    if index is not None and owner in groups:
         raise InvalidRequestError(f"request id {request_id!r} is reserved for a sample of "
                                   f"request {owner!r}")
     params = request.sampling_params
     for i in range(1, params.n):
-        if f"{group_id}#{i}" in requests:
-            raise InvalidRequestError(f"sample id {group_id}#{i} of request {request_id!r} "
+        if sample_id(group_id, i) in requests:
+            raise InvalidRequestError(f"sample id {sample_id(group_id, i)} of request {request_id!r} "
                                       "is already in use")
     if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.num_output_tokens:
         raise InvalidRequestError(f"request {request_id!r} is not new (status {request.status.name})")

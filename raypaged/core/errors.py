@@ -28,3 +28,9 @@ class QueueFullError(InvalidRequestError):
 class EngineDeadError(RaypagedError):
     """The engine cannot serve anything (its actor is gone, or its workers could not be brought
     back): the frontend answers UNAVAILABLE."""
+
+
+class RequestFailedError(RaypagedError):
+    """The engine failed a request it had accepted (its model workers broke; it restarts them).
+    Raised by the output processing (raypaged/text/) that every transport shares; the frontend
+    answers UNAVAILABLE."""

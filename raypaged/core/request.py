@@ -38,7 +38,8 @@ class Request:
     priority: int = 0  # lower is more important, as in vLLM; ties broken by arrival
     cache_salt: str | None = None  # isolates prefix-cache entries between tenants
     # n > 1: the prompt is prefilled once, then forked. Every sample of a group shares
-    # group_id (the id the client knows); sample i > 0 has request_id f"{group_id}#{i}".
+    # group_id (the id the client knows); sample i > 0 has request_id "group_id#i"
+    # (core/sample_ids.py).
     group_id: str = ""
     sample_index: int = 0
 

@@ -31,6 +31,7 @@ from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, Logprobs, ModelRunnerOutput, SchedulerOutput
 from raypaged.core.request import PLACEHOLDER_TOKEN_ID, FinishReason, Request, RequestStatus
 from raypaged.core.request_queue import RequestQueue
+from raypaged.core.sample_ids import parse_sample_id, sample_request_id
 from raypaged.core.scheduler_config import SchedulerConfig
 from raypaged.core.stop_checks import check_stop, prepare_stop_checks
 
@@ -171,8 +172,8 @@ class SchedulerUpdate:
 
     def abort_requests(self, group_or_request_ids: str | list[str]) -> list[EngineCoreOutput]:
         """Abort requests in any state. A group id aborts every sample of the group; a sample id
-        (f"{group}#{i}", i >= 0) that one. UnknownRequestError, before anything changes, for an id that
-        names no unfinished request or group."""
+        ("group#i", i >= 0: core/sample_ids.py) that one. UnknownRequestError, before anything
+        changes, for an id that names no unfinished request or group."""
         ids = [group_or_request_ids] if isinstance(group_or_request_ids, str) else list(group_or_request_ids)
         targets: dict[str, Request] = {}
         for id_ in ids:
@@ -181,11 +182,13 @@ class SchedulerUpdate:
                 targets.update((rid, self.requests[rid]) for rid in sorted(members))
             elif id_ in self.requests:
                 targets[id_] = self.requests[id_]
-            elif id_.endswith("#0") and id_[:-2] in self.requests:
-                # Sample 0 alone: its request id is the group id, which names the whole group.
-                targets[id_[:-2]] = self.requests[id_[:-2]]
             else:
-                raise UnknownRequestError(f"no unfinished request or group {id_!r}")
+                # Sample 0 alone ("group#0"): its request id is the group id, which names the
+                # whole group.
+                group_id, index = parse_sample_id(id_)
+                if index != 0 or group_id not in self.requests:
+                    raise UnknownRequestError(f"no unfinished request or group {id_!r}")
+                targets[group_id] = self.requests[group_id]
         outputs = []
         dropped = set()
         for request in targets.values():
@@ -238,7 +241,7 @@ class SchedulerUpdate:
         forked = []
         for i in range(1, n):
             child = Request(
-                request_id=f"{group_id}#{i}", prompt_token_ids=parent.prompt_token_ids,
+                request_id=sample_request_id(group_id, i), prompt_token_ids=parent.prompt_token_ids,
                 sampling_params=parent.sampling_params.for_sample(i), eos_token_id=parent.eos_token_id,
                 arrival_time=parent.arrival_time, priority=parent.priority, cache_salt=parent.cache_salt,
                 group_id=group_id, sample_index=i)

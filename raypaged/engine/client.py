@@ -22,6 +22,7 @@ from raypaged.config import EngineConfig
 from raypaged.core.errors import EngineDeadError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
+from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
 from raypaged.engine.actor import EngineActor
 
 logger = logging.getLogger(__name__)
@@ -135,13 +136,13 @@ class AsyncEngineClient:
             await self.actor.abort.remote([engine_id])
 
     async def abort(self, request_id: str) -> None:
-        """Abort by the id the caller knows: a group id (every sample), or f"{group}#{i}" (that
-        sample). An id that is not streaming here is ignored: it finished already."""
-        owner, sep, index = request_id.rpartition("#")
+        """Abort by the id the caller knows: a group id (every sample), or sample_id(group, i)
+        (that sample). An id that is not streaming here is ignored: it finished already."""
+        owner, index = parse_sample_id(request_id)
         if request_id in self._engine_ids:
             target = self._engine_ids[request_id]
-        elif sep and owner in self._engine_ids:
-            target = f"{self._engine_ids[owner]}#{index}"
+        elif index is not None and owner in self._engine_ids:
+            target = sample_id(self._engine_ids[owner], index)
         else:
             return
         await self.actor.abort.remote([target])
@@ -158,8 +159,8 @@ class AsyncEngineClient:
             for out in outputs:
                 stream = self._streams.get(out.group_id)
                 if stream is not None:  # else: a request that ended here already
-                    # Back to the caller's ids ("<engine id>#i" for sample i > 0).
-                    out.req_id = stream.group_id + out.req_id[len(stream.engine_id):]
+                    # Back to the caller's ids.
+                    out.req_id = sample_request_id(stream.group_id, out.sample_index)
                     out.group_id = stream.group_id
                     stream.queue.put_nowait(out)
 

@@ -12,17 +12,15 @@ import logging
 import grpc
 
 from raypaged.core.errors import (EngineDeadError, InvalidRequestError, QueueFullError, RaypagedError,
-                                  UnknownRequestError)
+                                  RequestFailedError, UnknownRequestError)
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["RequestFailedError", "ServerShuttingDownError", "status_for"]
 
 
 class ServerShuttingDownError(RaypagedError):
     """New requests are refused while the server drains its streams before stopping."""
-
-
-class RequestFailedError(RaypagedError):
-    """The engine failed a request it had accepted (its model workers broke; it restarts them)."""
 
 
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:

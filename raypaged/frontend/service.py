@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
+from raypaged.core.sample_ids import sample_id
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
 from raypaged.frontend.metrics import FrontendMetrics, RequestTracker
-from raypaged.frontend.output_processor import RequestOutputProcessor
 from raypaged.frontend.validation import ModelLimits, RequestLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.text.output_processor import RequestOutputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +82,9 @@ class GenerationService:
                         continue  # the engine finished them all: its stream ends by itself
                     just_stopped = processor.samples[out.sample_index].stopped_by_string
                     if just_stopped and processed.finish_reason is not None:
-                        # Other samples go on; end this one in the engine (f"{group}#{i}" names
+                        # Other samples go on; end this one in the engine (a sample id names
                         # one sample, sample 0 included).
-                        await self.engine.abort(f"{out.group_id}#{out.sample_index}")
+                        await self.engine.abort(sample_id(out.group_id, out.sample_index))
         except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled or its deadline passed: the handler is cancelled while it
             # waits, or closed (GeneratorExit) while it yields.

@@ -14,6 +14,7 @@ from typing import Any
 
 from raypaged.core.errors import InvalidRequestError
 from raypaged.core.request import Request
+from raypaged.core.sample_ids import SEPARATOR
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.proto.v1 import raypaged_pb2 as pb
 
@@ -113,7 +114,8 @@ def _request_id(request_id: str, limits: RequestLimits) -> str:
            f"request_id has {len(request_id)} characters; the limit is {limits.max_request_id_chars}")
     _check(request_id.isprintable() and not request_id.isspace(),
            "request_id must be printable characters, not only spaces")
-    _check("#" not in request_id, "request_id must not contain '#' (reserved for sample ids)")
+    _check(SEPARATOR not in request_id,
+           f"request_id must not contain {SEPARATOR!r} (reserved for sample ids)")
     return request_id
 
 

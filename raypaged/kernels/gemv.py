@@ -266,7 +266,7 @@ def gemv_rope(
 ) -> torch.Tensor:
     """The qkv product [M, N] with its first `rotated_features` features (the q and k heads, of
     head_dim each) rotated by rope, by the step's tables cos, sin [M, head_dim / 2] (fp32,
-    contiguous; model/fused.rope_tables).
+    contiguous; rope.rope_tables_triton).
     `config` from `epilogue_config(x, weight, head_dim // 2, "rope")`: its block_n pairs features
     within a head."""
     _check(x, weight)

@@ -14,7 +14,7 @@ epilogue, as the separate kernel would read it).
   PLAIN     out[m, n] = x·w_n (+ b_n)
   ROPE      out = the qkv product with q and k heads rotated by their token's position
             (Hugging Face's "rotate half" layout; cos and sin from the step's tables, as the
-            rope kernel in model/fused.py reads them)
+            rope kernel in rope.py reads them)
   SILU_MUL  out[m, i] = silu(gate_i) · up_i over a [gate | up] weight, [M, N / 2]
 """
 
@@ -55,7 +55,7 @@ def output_columns(tile, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HALF:
 def rotation(cos_ptr, sin_ptr, tile, rows, row_ok, EPILOGUE: tl.constexpr, HALF: tl.constexpr,
              BLOCK_N: tl.constexpr):
     """ROPE: the cos and sin [PAIRS, M_PAD] of the block's pairs from the step's tables
-    ([M, HALF] fp32, model/fused.rope_tables); loaded before the K loop, so their latency hides
+    ([M, HALF] fp32, rope.rope_tables_triton); loaded before the K loop, so their latency hides
     behind it. Other epilogues: placeholders."""
     if EPILOGUE == ROPE:
         PAIRS: tl.constexpr = BLOCK_N // 2

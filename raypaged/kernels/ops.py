@@ -1,5 +1,5 @@
-"""The kernel-backed ops the model calls (attention, and the linears of small decode steps): one
-signature, two backends.
+"""The kernel-backed ops the model calls (attention, the linears of small decode steps, and the
+decoder's elementwise steps: RMSNorm, SiLU·mul, rope): one signature, two backends, one switch.
 
 "triton" runs the kernels in this package (on CUDA, or on CPU under TRITON_INTERPRET=1);
 "torch" runs the references (the CPU serving path). Choice, first match wins:
@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from .activation import silu_and_mul_triton
+from .norm import add_rms_norm_triton, rms_norm_triton
+from .rope import rope_in_place_triton, rope_tables_triton
 from .validation import output_for
 
 BACKENDS = ("torch", "triton")
@@ -92,6 +95,46 @@ def _skinny_gemm_may_take(x: torch.Tensor) -> bool:
     # fp32 on a GPU stays with cuBLAS: an 8B fp32 decode step through the kernel took 61 ms where
     # reading its 32 GB of weights takes ~8 (an IEEE fp32 tl.dot has no tensor-core path). The interpreter takes fp32, so the CPU tests still run the kernel in the model.
     return backend_for(x) == "triton" and not (x.is_cuda and x.dtype == torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim; x [T, H]."""
+    if backend_for(x) == "triton":
+        return rms_norm_triton(x, weight, eps)
+    return reference.rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); x, residual [T, H]."""
+    if backend_for(x) == "triton":
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return reference.add_rms_norm_ref(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    if backend_for(gate_up) == "triton":
+        return silu_and_mul_triton(gate_up)
+    return reference.silu_and_mul_ref(gate_up)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's rope tables: cos and sin of position · inv_freq, fp32 [T, D/2], read by every
+    layer's `rope_in_place` (or the qkv GEMM's epilogue, `linear_rope`)."""
+    if backend_for(positions) == "triton":
+        return rope_tables_triton(positions, inv_freq)
+    return reference.rope_tables_ref(positions, inv_freq)
+
+
+def rope_in_place(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate query [T, Hq, D] and key [T, Hkv, D] (views, last dim contiguous) in place by the
+    tables of `rope_tables`."""
+    if backend_for(query) == "triton":
+        rope_in_place_triton(query, key, cos, sin)
+        return
+    reference.rope_in_place_ref(query, key, cos, sin)
 
 
 def write_kv(

@@ -1,9 +1,14 @@
-"""Torch references for the paged-attention kernels.
+"""Torch references for the kernels: the test oracle for the Triton kernels and the CPU serving
+path (ops' "torch" backend).
 
-They are the test oracle for the Triton kernels and the CPU serving path for tiny models, so they
-are vectorised per request (one gather and two matmuls per request, no per-token loops) and they
-never let a NaN from an unused slot reach the arithmetic: each request gathers exactly its valid
-positions before any matmul.
+The paged-attention references are vectorised per request (one gather and two matmuls per
+request, no per-token loops) and never let a NaN from an unused slot reach the arithmetic: each
+request gathers exactly its valid positions before any matmul.
+
+The elementwise references (RMSNorm, SiLU·mul) are transformers' exact arithmetic, rounding to
+the activation dtype where transformers does; the CPU tests compare the model against
+transformers tightly through them. The rope references are the kernels' arithmetic (fp32 tables,
+one rounding); the model's CPU path rotates as transformers does (model/rotary.py).
 
 Shapes (Hq query heads, Hkv KV heads, Hq % Hkv == 0, D head dim, B block size):
   k_cache, v_cache   [num_blocks, B, Hkv, D]
@@ -15,13 +20,14 @@ Shapes (Hq query heads, Hkv KV heads, Hq % Hkv == 0, D head dim, B block size):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .validation import (
     check_cache_pair,
     check_decode_inputs,
     check_prefill_inputs,
-    check_write_inputs,
     check_table_contents,
+    check_write_inputs,
 )
 
 
@@ -190,3 +196,45 @@ def copy_blocks_ref(
         index = block_copies.to(cache.device)
         # index_select gathers every source before any destination is overwritten.
         cache.index_copy_(0, index[:, 1], cache.index_select(0, index[:, 0]))
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim, normalised in fp32 and cast back before the weight
+    (transformers' LlamaRMSNorm)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm decoder's residual step."""
+    summed = residual + x
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_tables_ref(positions: torch.Tensor,
+                    inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position · inv_freq, fp32 [T, D/2]."""
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rope_in_place_ref(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> None:
+    """Rotate query [T, Hq, D] and key [T, Hkv, D] in place by the tables [T, D/2] ("rotate
+    half": dims i and i + D/2 form one pair), in fp32, rounded once."""
+    cos, sin = cos.float()[:, None, :], sin.float()[:, None, :]
+    for x in (query, key):
+        half = x.shape[-1] // 2
+        # float() of an fp32 tensor is the tensor itself: copy before the first half is written.
+        a, b = x[..., :half].float().clone(), x[..., half:].float()
+        x[..., :half] = (a * cos - b * sin).to(x.dtype)
+        x[..., half:] = (b * cos + a * sin).to(x.dtype)

@@ -18,7 +18,6 @@ from torch import nn
 
 from raypaged.kernels import ops
 
-from .fused import add_rms_norm, rms_norm, silu_and_mul, use_triton
 from .parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -58,13 +57,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm decoder's residual step."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:
         return tuple(self.weight.shape)
@@ -134,11 +133,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x's product [T, I]: the skinny GEMM applies it as it stores its
         outputs where it takes the product, else a separate kernel does."""
-        if use_triton(x):
-            activated = ops.linear_silu_mul(x, self.weight, self.bias)
-            if activated is not None:
-                return activated
-        return silu_and_mul(self(x))
+        activated = ops.linear_silu_mul(x, self.weight, self.bias)
+        if activated is not None:
+            return activated
+        return ops.silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

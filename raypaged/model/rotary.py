@@ -5,8 +5,9 @@ cos/sin are computed per step from the positions instead of looked up in a preco
 [max_position, head_dim] table: the cost is T·D/2 cosines (negligible next to attention), there is
 no table to size against max_position_embeddings, and on the torch path the arithmetic is exactly
 Hugging Face's (fp32 `position * inv_freq`, then cast to the activation dtype), so fp32 logits
-match it tightly. On CUDA one kernel computes the step's cos/sin [T, D/2] once, and every layer's
-rope (a kernel rotating q and k in place, or the qkv GEMM's epilogue) reads them.
+match it tightly. On the Triton backend (ops; CUDA tensors by default) one kernel computes the
+step's cos/sin [T, D/2] once, and every layer's rope (a kernel rotating q and k in place, or the
+qkv GEMM's epilogue) reads them.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from raypaged.kernels import ops
+
 from .config import RopeConfig
-from .fused import rope_in_place, rope_tables, use_triton
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -65,8 +67,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
         """The rotation of this step's tokens, computed once and shared by every layer."""
-        if use_triton(positions):
-            return StepRotary(*rope_tables(positions, self.inv_freq), on_kernels=True)
+        if ops.backend_for(positions) == "triton":
+            return StepRotary(*ops.rope_tables(positions, self.inv_freq), on_kernels=True)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return StepRotary(angles.cos().to(dtype), angles.sin().to(dtype), on_kernels=False)
@@ -74,7 +76,7 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass(frozen=True)
 class StepRotary:
-    # The kernels' path: [T, D/2] fp32 (fused.rope_tables). The torch path: [T, 1, D] in the
+    # The kernels' path: [T, D/2] fp32 (ops.rope_tables). The torch path: [T, 1, D] in the
     # activation dtype, transformers' arithmetic.
     cos: torch.Tensor
     sin: torch.Tensor
@@ -88,7 +90,7 @@ class StepRotary:
         On the fused path they are rotated in place (they are views into the qkv output).
         """
         if self.on_kernels:
-            rope_in_place(query, key, self.cos, self.sin)
+            ops.rope_in_place(query, key, self.cos, self.sin)
             return query, key
         return (
             query * self.cos + _rotate_half(query) * self.sin,

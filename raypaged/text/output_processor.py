@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from raypaged.core.errors import RequestFailedError
 from raypaged.core.outputs import EngineCoreOutput, Logprobs
 from raypaged.core.request import FinishReason, Request
-from raypaged.frontend.detokenizer import IncrementalDetokenizer
-from raypaged.frontend.errors import RequestFailedError
-from raypaged.frontend.stop_strings import StopStringMatcher
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.text.detokenizer import IncrementalDetokenizer
+from raypaged.text.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
