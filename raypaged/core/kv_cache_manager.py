@@ -213,7 +213,7 @@ class KVCacheManager(KVCacheManagerInterface):
         copy_on_write = (state.shared_tail and num_new_tokens > 0 and num_computed % block_size != 0
                          and self._ref_cnt[table[write_index]] > 1)
         num_new_blocks = -(-total // block_size) - len(table)
-        if num_new_blocks < 0:
+        if num_new_blocks < 0:  # noqa: PLR1730 - an if, not a max() call, on the decode path
             num_new_blocks = 0
         pool = self.block_pool
         if num_new_blocks + copy_on_write > pool.num_free_blocks:
