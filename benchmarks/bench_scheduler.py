@@ -29,8 +29,9 @@ import subprocess
 import sys
 import time
 
+from raypaged.core.async_scheduler import make_scheduler
 from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
-from raypaged.core.request import Request
+from raypaged.core.request import PLACEHOLDER_TOKEN_ID, Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 
@@ -39,27 +40,35 @@ BLOCK_SIZE = 16
 
 def fake_runner_output(scheduler: Scheduler, scheduler_output: SchedulerOutput,
                        rng: random.Random) -> ModelRunnerOutput:
-    """One random token for each request whose step reaches its last token, none for a chunk."""
+    """One random token for each request whose step reaches its last token, none for a chunk
+    (an AsyncScheduler counted the step as it scheduled it: the step ends at the request's
+    count, where a placeholder or nothing follows)."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
     token = rng.randrange(1, 32000)
     sampled = []
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         request = scheduler.requests[req_id]
-        sampled.append([token] if request.num_computed_tokens + n == request.num_tokens else [])
+        if scheduler.async_scheduling:
+            end = request.num_computed_tokens
+            last = end == request.num_tokens or request.all_token_ids[end] == PLACEHOLDER_TOKEN_ID
+        else:
+            last = request.num_computed_tokens + n == request.num_tokens
+        sampled.append([token] if last else [])
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=[None] * len(req_ids))
 
 
 def build(num_requests: int, prompt_len: int, max_tokens: int, prefix_caching: bool,
-          rng: random.Random) -> Scheduler:
-    """A scheduler whose num_requests requests have all finished their prefill. Prompt lengths
+          rng: random.Random, async_scheduling: bool = False) -> Scheduler:
+    """A scheduler whose num_requests requests have all finished their prefill, each step
+    answered before the next (so an AsyncScheduler ends with nothing in flight). Prompt lengths
     are staggered over a block so that every step 1/BLOCK_SIZE of the requests fill a block (as in
     steady-state serving), instead of all of them every BLOCK_SIZE-th step."""
     max_model_len = prompt_len + BLOCK_SIZE + max_tokens + 1
     blocks_per_request = -(-max_model_len // BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(
+    scheduler = make_scheduler(SchedulerConfig(
         num_blocks=num_requests * blocks_per_request + 16, block_size=BLOCK_SIZE,
         max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=max_model_len,
-        enable_prefix_caching=prefix_caching))
+        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_requests):
         prompt = [rng.randrange(1, 32000) for _ in range(prompt_len + i % BLOCK_SIZE)]
@@ -93,9 +102,8 @@ def measure(num_requests: int, prompt_len: int, num_steps: int, prefix_caching: 
     rng = random.Random(0)
     # Requests that finish prefill early decode while the rest prefill: leave them room.
     max_tokens = num_steps + 2 * num_requests * prompt_len // 8192 + 16
-    scheduler = build(num_requests, prompt_len, max_tokens, prefix_caching, rng)
+    scheduler = build(num_requests, prompt_len, max_tokens, prefix_caching, rng, async_scheduling)
     # Built one step at a time; from here (nothing in flight) the steps overlap if asked.
-    scheduler.config.async_scheduling = async_scheduling
     answered = None
     if async_scheduling:
         answered = scheduler.schedule()  # the first step in flight

@@ -11,14 +11,16 @@ misplaced copy-on-write, a block reused while still held, and a diff the worker 
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from raypaged.core.kv_cache_manager import KVCacheManager, cdiv
-from raypaged.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from raypaged.core.request import PLACEHOLDER_TOKEN_ID, FinishReason, Request, RequestStatus
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.core.scheduler import Scheduler
+from raypaged.engine.core import EngineCore
 
 
 def make_request(request_id: str, prompt: list[int], *, eos: int | None = None, priority: int = 0,
@@ -155,6 +157,32 @@ class ShadowWorker:
         result.sampled_token_ids = [result.sampled_token_ids[i] for i in perm]
         result.logprobs = [result.logprobs[i] for i in perm]
         return result
+
+
+class ShadowExecutor:
+    """A ShadowWorker behind the executor's execute_model, as EngineCore calls it."""
+
+    def __init__(self, worker: ShadowWorker) -> None:
+        self.worker = worker
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(scheduler_output)
+
+
+class ShadowEngine(EngineCore):
+    """EngineCore's own step functions (step, step_with_batch_queue) around a given scheduler and
+    a ShadowWorker, without a model: __init__ sets only what stepping reads. The worker must
+    answer one step behind (one_behind) when the scheduler is an AsyncScheduler."""
+
+    def __init__(self, scheduler: Scheduler, worker: ShadowWorker) -> None:
+        assert worker.one_behind == scheduler.async_scheduling
+        self.scheduler = scheduler
+        self.executor = ShadowExecutor(worker)
+        self._lock = threading.Lock()
+        self._pending_outputs = EngineCoreOutputs()
+        self._queued_since: dict[str, float] = {}
+        self._queue_times: dict[str, float] = {}
+        self._consecutive_failures = 0
 
 
 def check_invariants(scheduler: Scheduler, worker: ShadowWorker | None = None) -> None:

@@ -13,10 +13,11 @@ read returns the reading request's own prefix (so prefix hits and copy-on-write 
 all requests end, the pool must be whole, and the records handed out must have carried every
 request's tokens and finish exactly (OutputLog).
 
-Every sequence also runs under asynchronous scheduling (each step answered one schedule() later,
-placeholders filled by the worker), with the same checks; and the same workload, with tokens
-drawn as a function of (request, position), must produce token-identical outputs and finishes
-with asynchronous scheduling on and off.
+The steps are EngineCore's own (ShadowEngine: step, which runs step_with_batch_queue under
+asynchronous scheduling). Every sequence also runs under asynchronous scheduling (each step
+answered one schedule() later, placeholders filled by the worker), with the same checks; and the
+same workload, with tokens drawn as a function of (request, position), must produce
+token-identical outputs and finishes with asynchronous scheduling on and off.
 
 Default runs are small; `scripts/test-slow` (pytest -m slow) runs thousands of sequences.
 """
@@ -31,10 +32,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core_fakes import OutputLog, ShadowWorker, check_invariants, check_pool_whole, make_request
+from core_fakes import OutputLog, ShadowEngine, ShadowWorker, check_invariants, check_pool_whole, make_request
+from raypaged.core.async_scheduler import make_scheduler
 from raypaged.core.block_pool import BlockPool, hash_block_tokens
 from raypaged.core.errors import InvalidRequestError, NoFreeBlocksError
-from raypaged.core.scheduler import Scheduler, SchedulerConfig
+from raypaged.core.scheduler import SchedulerConfig
 
 EOS, STOP_ID, VOCAB = 0, 5, 8
 PREFIXES = ([1, 2, 3, 4, 1, 2, 3, 4, 6, 7, 1, 2], [3, 3, 3, 3, 3, 3], [])
@@ -82,31 +84,12 @@ operations = st.lists(st.one_of(add_ops(), add_ops(), st.just(("step",)), st.jus
                       min_size=4, max_size=60)
 
 
-class Stepper:
-    """One engine step as EngineCore takes it: schedule, run, and take the answer to the step it
-    answers (under asynchronous scheduling the previous one, if it computed anything)."""
-
-    def __init__(self, scheduler: Scheduler, worker: ShadowWorker) -> None:
-        self.scheduler, self.worker = scheduler, worker
-
-    def step(self):
-        scheduler = self.scheduler
-        answered = scheduler.oldest_in_flight()
-        out = scheduler.schedule()
-        answer = self.worker.execute(out)
-        if not scheduler.config.async_scheduling:
-            return scheduler.update_from_output(out, answer)
-        if answered is None:
-            return scheduler.take_pending_outputs()
-        return scheduler.update_from_output(answered, answer)
-
-
 def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
     rng = random.Random(seed)
-    scheduler = Scheduler(config)
+    scheduler = make_scheduler(config)
     worker = ShadowWorker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
                           one_behind=config.async_scheduling)
-    stepper = Stepper(scheduler, worker)
+    stepper = ShadowEngine(scheduler, worker)
 
     log = OutputLog()
 
@@ -166,9 +149,9 @@ def run_to_completion(config: SchedulerConfig, ops) -> dict[str, tuple]:
     def sample(req_id: str, position: int) -> int:  # the same token wherever it is computed
         return zlib.crc32(f"{req_id}@{position}".encode()) % VOCAB
 
-    scheduler = Scheduler(config)
-    stepper = Stepper(scheduler, ShadowWorker(config.num_blocks, config.block_size, sample,
-                                              one_behind=config.async_scheduling))
+    scheduler = make_scheduler(config)
+    stepper = ShadowEngine(scheduler, ShadowWorker(config.num_blocks, config.block_size, sample,
+                                                   one_behind=config.async_scheduling))
     log = OutputLog()
     for k, op in enumerate(ops):
         if op[0] == "add":

@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 
 from core_fakes import ShadowWorker, check_invariants, check_pool_whole, make_request
+from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
 from raypaged.core.errors import InvalidRequestError, QueueFullError, UnknownRequestError
 from raypaged.core.kv_cache_manager import KVCacheManager
 from raypaged.core.outputs import ModelRunnerOutput
@@ -111,6 +112,15 @@ def test_queue_bound_raises_a_distinct_error():
 def test_bad_config(config):
     with pytest.raises(ValueError):
         SchedulerConfig(**config)
+
+
+def test_the_scheduler_class_follows_async_scheduling():
+    assert type(make_scheduler(SchedulerConfig(num_blocks=8))) is Scheduler
+    assert type(make_scheduler(SchedulerConfig(num_blocks=8, async_scheduling=True))) is AsyncScheduler
+    with pytest.raises(ValueError, match="make_scheduler"):
+        Scheduler(SchedulerConfig(num_blocks=8, async_scheduling=True))
+    with pytest.raises(ValueError, match="make_scheduler"):
+        AsyncScheduler(SchedulerConfig(num_blocks=8))
 
 
 def test_injected_manager_must_agree_on_block_size():

@@ -18,8 +18,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from raypaged.core.errors import InvalidRequestError, NoFreeBlocksError, UnknownRequestError
-from raypaged.core.kv_cache_manager import KVCacheStats, cdiv
+from raypaged.core.errors import (
+    InvalidRequestError,
+    NoFreeBlocksError,
+    UnknownRequestError,
+)
+from raypaged.core.kv_cache_interface import KVCacheManagerInterface, KVCacheStats
+from raypaged.core.kv_cache_manager import cdiv
 from raypaged.core.request import Request
 
 # How big a reservation is. "max_model_len": every request reserves the model's maximum length
@@ -36,7 +41,7 @@ class _Reservation:
     num_blocks: int
 
 
-class ContiguousKVCacheManager:
+class ContiguousKVCacheManager(KVCacheManagerInterface):
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  reservation: str = "max_model_len") -> None:
         if not (isinstance(num_blocks, int) and num_blocks >= 1):
@@ -88,6 +93,12 @@ class ContiguousKVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         return [], 0  # no prefix cache: every request computes its whole prompt
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        pass  # no prefix cache to register in
+
+    def pop_rewritten(self, request_id: str) -> bool:
+        return False  # a reservation is never rewritten: a fork copies into the child's own
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | None = None) -> list[int] | None:

@@ -1,55 +1,125 @@
-"""What the Scheduler needs from a KV cache manager.
+"""What the Scheduler needs from a KV cache manager, and the snapshot it reports.
 
 Two managers implement it: the paged KVCacheManager (blocks on demand, prefix sharing) and the
 ContiguousKVCacheManager (one max-length reservation per request, as before PagedAttention).
 The Scheduler takes either, so the memory simulator and the engine's reservation mode compare
-allocators under the very same scheduling decisions.
+allocators under the very same scheduling decisions. A manager without a prefix cache, or one
+that never rewrites a table, implements those methods as no-ops; the scheduler calls them all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from raypaged.core.kv_cache_manager import KVCacheStats
-    from raypaged.core.request import Request
+from raypaged.core.request import Request
 
 
-@runtime_checkable
-class KVCacheManagerInterface(Protocol):
+@dataclass
+class KVCacheStats:
+    """A snapshot of the pool. Slots are token positions (block_size per block); every count
+    takes a block held by several requests once, except logical_slots."""
+
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    allocated_slots: int  # slots in blocks held by some request
+    filled_slots: int  # of those, slots that hold a computed token's K/V for some holder
+    logical_slots: int  # sum over requests of their computed tokens (what they'd need unshared)
+    shared_saved_slots: int  # logical - filled: slots saved by prefix sharing and fork
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (like vLLM)
+    prefix_cache_hits: int  # of those, tokens found
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks held by requests."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def utilization(self) -> float:
+        """Filled / allocated slots: the share of held KV memory that holds token states."""
+        return self.filled_slots / self.allocated_slots if self.allocated_slots else 1.0
+
+    @property
+    def unfilled_slots(self) -> int:
+        """Internal fragmentation: allocated slots that hold nothing (yet)."""
+        return self.allocated_slots - self.filled_slots
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class KVCacheManagerInterface(ABC):
+    """Block tables per request over one pool of num_blocks blocks of block_size slots. The
+    scheduler advances request.num_computed_tokens; a manager reads it and never writes it."""
+
     block_size: int
     num_blocks: int
 
+    # ---- prefix cache --------------------------------------------------------------------------
+    @abstractmethod
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Prefix-cache hit: cached full blocks and the number of tokens they hold."""
-        ...
+        """Prefix-cache hit: cached full blocks holding the request's leading tokens, and the
+        number of tokens they hold (never all of its tokens). ([], 0) without a prefix cache."""
 
+    @abstractmethod
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the blocks the request's first num_computed_tokens tokens fill in the prefix
+        cache (idempotent; a no-op without one). Called after a step that filled a block."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block no request holds. False if some request still holds one."""
+
+    # ---- allocation ----------------------------------------------------------------------------
+    @abstractmethod
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | None = None) -> list[int] | None:
-        """Block ids newly appended to the request's table, or None (and no change) when the
-        pool cannot supply them now."""
-        ...
+        """Block ids newly appended to the request's table (on its first allocation: the whole
+        table, prefix hits first), or None (and no change) when the pool cannot supply them now."""
 
-    def free(self, request: Request) -> None: ...
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (a no-op if it holds none)."""
 
-    def fork(self, parent: Request, child: Request) -> None: ...
+    @abstractmethod
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give the child (a new sample of the parent's group, with the parent's computed
+        tokens) the parent's K/V, shared or copied. NoFreeBlocksError, changing nothing, if a
+        copying manager has no room for it."""
 
+    @abstractmethod
     def take_block_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies queued since the last call, for the workers to apply."""
-        ...
 
-    def get_block_ids(self, request_id: str) -> list[int]: ...
+    @abstractmethod
+    def pop_rewritten(self, request_id: str) -> bool:
+        """Whether the request's table changed other than by appending (copy-on-write replaced a
+        block) since the last call for it: the workers must then get the whole table again.
+        Clears the mark. A manager's free() drops the mark of the request it frees."""
 
+    # ---- queries -------------------------------------------------------------------------------
+    @abstractmethod
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table ([] if it holds none)."""
+
+    @abstractmethod
     def can_fit(self, num_tokens: int) -> bool:
         """Could an empty pool ever hold a request of this many tokens?"""
-        ...
 
-    def reset_prefix_cache(self) -> bool: ...
-
+    @abstractmethod
     def stats(self) -> KVCacheStats: ...
 
     @property
+    @abstractmethod
     def num_free_blocks(self) -> int: ...
 
     @property
-    def usage(self) -> float: ...
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of the pool's blocks held by requests."""

@@ -33,50 +33,14 @@ from dataclasses import dataclass, field
 
 from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 from raypaged.core.errors import UnknownRequestError
+from raypaged.core.kv_cache_interface import KVCacheManagerInterface, KVCacheStats
 from raypaged.core.request import Request
+
+__all__ = ["KVCacheManager", "KVCacheStats", "cdiv"]
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass
-class KVCacheStats:
-    """A snapshot of the pool. Slots are token positions (block_size per block); every count
-    takes a block held by several requests once, except logical_slots."""
-
-    num_blocks: int
-    num_free_blocks: int
-    block_size: int
-    allocated_slots: int  # slots in blocks held by some request
-    filled_slots: int  # of those, slots that hold a computed token's K/V for some holder
-    logical_slots: int  # sum over requests of their computed tokens (what they'd need unshared)
-    shared_saved_slots: int  # logical - filled: slots saved by prefix sharing and fork
-    prefix_cache_queries: int  # tokens looked up in the prefix cache (like vLLM)
-    prefix_cache_hits: int  # of those, tokens found
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the pool's blocks held by requests."""
-        return self.num_used_blocks / self.num_blocks
-
-    @property
-    def utilization(self) -> float:
-        """Filled / allocated slots: the share of held KV memory that holds token states."""
-        return self.filled_slots / self.allocated_slots if self.allocated_slots else 1.0
-
-    @property
-    def unfilled_slots(self) -> int:
-        """Internal fragmentation: allocated slots that hold nothing (yet)."""
-        return self.allocated_slots - self.filled_slots
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass(slots=True)
@@ -98,7 +62,7 @@ class _RequestBlocks:
         self.extra_keys = (self.request.cache_salt,) if self.request.cache_salt else None
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheManagerInterface):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -113,7 +77,7 @@ class KVCacheManager:
         self._prefix_cache_hits = 0
         self._copies: list[tuple[int, int]] = []
         # Requests whose table changed other than by appending (copy-on-write replaced a block)
-        # since the caller last discarded them: the workers must get their whole table again.
+        # since pop_rewritten last answered for them: the workers must get their whole table again.
         self.rewritten_req_ids: set[str] = set()
 
     # ---- prefix cache ----------------------------------------------------------------------------
@@ -188,7 +152,7 @@ class KVCacheManager:
         Returns the block ids appended to the request's table (on the first allocation: the
         whole table, prefix hits first), or None when the pool cannot supply them now — and then
         nothing has changed. If its first new token lands in a partial block it shares (after a
-        fork), that block is replaced by a private copy: see rewritten_req_ids and
+        fork), that block is replaced by a private copy: see pop_rewritten and
         take_block_copies.
         """
         state = self._requests.get(request.request_id)
@@ -249,7 +213,7 @@ class KVCacheManager:
         copy_on_write = (state.shared_tail and num_new_tokens > 0 and num_computed % block_size != 0
                          and self._ref_cnt[table[write_index]] > 1)
         num_new_blocks = -(-total // block_size) - len(table)
-        if num_new_blocks < 0:
+        if num_new_blocks < 0:  # noqa: PLR1730 - an if, not a max() call, on the decode path
             num_new_blocks = 0
         pool = self.block_pool
         if num_new_blocks + copy_on_write > pool.num_free_blocks:
@@ -346,6 +310,12 @@ class KVCacheManager:
             num_cached_blocks=state.num_cached_blocks, shared_tail=shared_tail)
         state.shared_tail = state.shared_tail or shared_tail
         self._num_saved_slots += num_computed  # every filled slot of the parent gains a holder
+
+    def pop_rewritten(self, request_id: str) -> bool:
+        if request_id in self.rewritten_req_ids:
+            self.rewritten_req_ids.discard(request_id)
+            return True
+        return False
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """(src, dst) copy-on-write pairs queued since the last call. No dst is a src in the same

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from raypaged.core.request import FinishReason
+from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
 
 # One sampled position's log-probabilities: token id -> logprob. Holds the sampled token and
@@ -61,6 +61,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0 and not self.block_copies
+
+    def unschedule(self, req_id: str) -> bool:
+        """Take a request's entry (cached or new) back out, as when priority preemption picks
+        one scheduled earlier in the step; num_scheduled_tokens is the caller's. Returns whether
+        it was a cached entry (the workers still hold the request)."""
+        cached = self.scheduled_cached_reqs
+        if req_id in cached.req_ids:
+            k = cached.req_ids.index(req_id)
+            for column in (cached.req_ids, cached.new_token_ids, cached.new_block_ids,
+                           cached.num_computed_tokens):
+                del column[k]
+            return True
+        self.scheduled_new_reqs = [r for r in self.scheduled_new_reqs if r.req_id != req_id]
+        return False
 
 
 @dataclass
@@ -148,3 +162,29 @@ class EngineCoreOutputs:
         for i, (req_id, token_ids) in enumerate(zip(self.req_ids, self.new_token_ids)):
             output = records.get(i)
             yield output if output is not None else EngineCoreOutput(req_id, req_id, 0, token_ids)
+
+
+def request_output(request: Request, token_ids: list[int],
+                   logprobs: list[Logprobs] | None) -> EngineCoreOutput:
+    """A whole record of the request's news: its new tokens, its finish if it finished, and the
+    per-request counts a consumer needs with a first or last record."""
+    return EngineCoreOutput(request.request_id, request.group_id, request.sample_index, token_ids,
+                            logprobs, request.finish_reason, request.stop_reason,
+                            request.num_prompt_tokens, request.num_cached_tokens)
+
+
+def in_scheduled_order(num_scheduled: dict[str, int], output: ModelRunnerOutput
+                       ) -> tuple[list[list[int]], list[list[Logprobs] | None]]:
+    """The runner's sampled tokens and logprobs in the step's scheduled order (a runner may
+    answer in its own order: decodes first). ValueError if it does not answer exactly the
+    scheduled requests."""
+    req_ids, sampled, logprobs = output.req_ids, output.sampled_token_ids, output.logprobs
+    if len(sampled) != len(req_ids) or (logprobs and len(logprobs) != len(req_ids)):
+        raise ValueError("the model runner's output lists differ in length")
+    if req_ids == list(num_scheduled):
+        return sampled, logprobs
+    if len(req_ids) != len(num_scheduled) or num_scheduled.keys() != set(req_ids):
+        raise ValueError("the model runner's output does not answer the scheduled requests")
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
+    order = [index[req_id] for req_id in num_scheduled]
+    return [sampled[i] for i in order], [logprobs[i] for i in order] if logprobs else logprobs

@@ -1,17 +1,19 @@
-"""The scheduler's waiting queue, one class per policy.
+"""The scheduling policy: the waiting queue's order and whom preemption takes, one class per policy.
 
 fcfs: arrival order, and a preempted request goes back to the front (it was running before
-everything still waiting). priority: lowest (priority, arrival_time) first; a preempted request
-simply re-enters at its own key.
+everything still waiting); the newest running request is preempted, and a waiting request never
+preempts. priority: lowest (priority, arrival_time) first; a preempted request simply re-enters
+at its own key; the lowest-priority running request is preempted (newest among equals), also to
+make room for a waiting request that outranks it.
 """
 
 from __future__ import annotations
 
 import heapq
-from abc import ABC, abstractmethod
 import itertools
+from abc import ABC, abstractmethod
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 from raypaged.core.request import Request
 
@@ -41,6 +43,14 @@ class RequestQueue(ABC):
     def __iter__(self) -> Iterator[Request]:
         """In scheduling order."""
 
+    @abstractmethod
+    def preemption_victim(self, running: list[Request]) -> int:
+        """Index in `running` (not empty) of the request to preempt when room is needed."""
+
+    @abstractmethod
+    def outranks_running(self, request: Request, running: list[Request]) -> bool:
+        """May the waiting `request` preempt preemption_victim(running) to be scheduled?"""
+
 
 class FCFSQueue(RequestQueue):
     def __init__(self) -> None:
@@ -66,6 +76,12 @@ class FCFSQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self._queue)
+
+    def preemption_victim(self, running: list[Request]) -> int:
+        return len(running) - 1
+
+    def outranks_running(self, request: Request, running: list[Request]) -> bool:
+        return False
 
 
 class PriorityQueue(RequestQueue):
@@ -98,6 +114,15 @@ class PriorityQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
+
+    def preemption_victim(self, running: list[Request]) -> int:
+        return max(range(len(running)), key=lambda k: (running[k].priority, running[k].arrival_time, k))
+
+    def outranks_running(self, request: Request, running: list[Request]) -> bool:
+        if not running:
+            return False
+        victim = running[self.preemption_victim(running)]
+        return (request.priority, request.arrival_time) < (victim.priority, victim.arrival_time)
 
 
 def make_request_queue(policy: str) -> RequestQueue:

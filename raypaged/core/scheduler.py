@@ -6,12 +6,19 @@ token budget (max_num_batched_tokens) and max_num_seqs. When a running request c
 block, the newest (fcfs) or lowest-priority running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue, to be prefilled again later (prompt
 and outputs so far, with prefix-cache hits). The result is a SchedulerOutput, the diff the workers
-apply (see outputs.py). update_from_output() (scheduler_update.py) takes the sampled tokens,
-checks stop conditions, forks n > 1 requests once their prompt is done, and frees finished
-requests' blocks at once.
+apply (see outputs.py).
 
-With asynchronous scheduling schedule() runs a step ahead of update_from_output (see
-scheduler_update.py).
+update_from_output() takes the step's sampled tokens: it advances the computed tokens
+(registering a block that filled in the prefix cache), appends each token, checks stop
+conditions (stop_checks.py), forks an n > 1 request once its prompt is done
+(parallel_sampling.py), frees finished requests' blocks at once, and returns the step's records
+as one EngineCoreOutputs batch: a plain record (the request's next token) costs two list
+entries; only the rare ones (a first token, a finish, a sample, logprobs) are built whole.
+Aborts (abort_requests) finish requests through the same path.
+
+This Scheduler answers each step before the next is scheduled. AsyncScheduler
+(async_scheduler.py) plans step N+1 while step N runs, through the hooks
+_update_after_schedule and _take_answered.
 
 Who the workers hold: every request that went out as NewRequestData and has not been dropped since
 (finished_req_ids / preempted_req_ids). A running request the workers do not hold (a sample just
@@ -21,23 +28,43 @@ one as a CachedRequestData entry.
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, repeat
+from types import SimpleNamespace
+from typing import ClassVar, cast
 
 from raypaged.core.admission import check_new_request
-from raypaged.core.kv_cache_interface import KVCacheManagerInterface
-from raypaged.core.kv_cache_manager import KVCacheManager, KVCacheStats
-from raypaged.core.outputs import EngineCoreOutput, EngineCoreOutputs, NewRequestData, SchedulerOutput
-from raypaged.core.request import PLACEHOLDER_TOKEN_ID, FinishReason, Request, RequestStatus
+from raypaged.core.errors import NoFreeBlocksError
+from raypaged.core.kv_cache_interface import KVCacheManagerInterface, KVCacheStats
+from raypaged.core.kv_cache_manager import KVCacheManager
+from raypaged.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    in_scheduled_order,
+    request_output,
+)
+from raypaged.core.parallel_sampling import new_sample, requests_named
+from raypaged.core.request import (
+    PLACEHOLDER_TOKEN_ID,
+    FinishReason,
+    Request,
+    RequestStatus,
+)
 from raypaged.core.request_queue import make_request_queue
 from raypaged.core.scheduler_config import SchedulerConfig
-from raypaged.core.scheduler_update import SchedulerUpdate
-from raypaged.core.stop_checks import prepare_stop_checks
+from raypaged.core.stop_checks import check_stop, prepare_stop_checks
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 _RUNNING = RequestStatus.RUNNING
+# What update_from_output finds for a runner's request id the scheduler no longer holds (aborted
+# while the step ran): anything not running is skipped, so one check serves both cases.
+_GONE = cast(Request, SimpleNamespace(status=RequestStatus.FINISHED))  # read for its status only
 # new_block_ids of every running request whose table did not grow: one shared list, which its
 # readers (the workers) never write to; building a fresh one per request per step costs.
 _NO_BLOCKS: list[int] = []
@@ -52,9 +79,17 @@ class SchedulerStats:
     kv_cache: KVCacheStats
 
 
-class Scheduler(SchedulerUpdate):
+class Scheduler:
+    """Answers each step before it schedules the next: schedule(), then update_from_output() of
+    that same step (config.async_scheduling False; AsyncScheduler for True)."""
+
+    async_scheduling: ClassVar[bool] = False  # the config.async_scheduling this class implements
+
     def __init__(self, config: SchedulerConfig,
                  kv_cache_manager: KVCacheManagerInterface | None = None) -> None:
+        if config.async_scheduling != self.async_scheduling:
+            raise ValueError(f"{type(self).__name__} does not schedule with async_scheduling="
+                             f"{config.async_scheduling}: build it with make_scheduler(config)")
         self.config = config
         if kv_cache_manager is None:
             kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
@@ -63,12 +98,6 @@ class Scheduler(SchedulerUpdate):
             raise ValueError(f"the KV cache manager's block_size ({kv_cache_manager.block_size}) "
                              f"differs from the config's ({config.block_size})")
         self.kv_cache_manager = kv_cache_manager
-        # Optional manager hooks (the paged manager has both; a manager without them never
-        # registers prefixes nor rewrites tables).
-        self._cache_blocks = getattr(kv_cache_manager, "cache_blocks", None)
-        self._rewritten: set[str] = getattr(kv_cache_manager, "rewritten_req_ids", set())
-        self._priority = config.policy == "priority"
-
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -83,11 +112,6 @@ class Scheduler(SchedulerUpdate):
         self._last_output: SchedulerOutput | None = None  # and the requests it scheduled, in order:
         self._scheduled: list[Request] = []
         self.num_preemptions = 0
-        # Asynchronous scheduling: the steps scheduled and not yet answered, oldest first, with
-        # the requests each scheduled and where each one's tokens end. A request preempted while
-        # a step holding it is in flight is held back from waiting until that step is answered.
-        self._in_flight: deque[tuple[SchedulerOutput, list[Request], list[int]]] = deque()
-        self._held_back: set[str] = set()
 
     # ---- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -102,12 +126,8 @@ class Scheduler(SchedulerUpdate):
         self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or (asynchronous scheduling) a step still to be answered."""
-        return bool(self.requests) or bool(self._in_flight)
-
-    def oldest_in_flight(self) -> SchedulerOutput | None:
-        """Asynchronous scheduling: the step the next update_from_output answers, if any."""
-        return self._in_flight[0][0] if self._in_flight else None
+        """Requests not finished (or, AsyncScheduler, a step still to be answered)."""
+        return bool(self.requests)
 
     @property
     def num_running(self) -> int:
@@ -125,20 +145,19 @@ class Scheduler(SchedulerUpdate):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
-        if self._held_back and not self._in_flight:
-            self._held_back.clear()
         # The scheduled requests in num_scheduled_tokens' order: update_from_output walks them.
         self._scheduled = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.kv_cache_manager.take_block_copies()
-        self._last_output = out
-        if self.config.async_scheduling and out.total_num_scheduled_tokens:
-            # Each scheduled request was advanced as it was scheduled: its count is its end now.
-            scheduled = self._scheduled
-            self._in_flight.append((out, scheduled, [r.num_computed_tokens for r in scheduled]))
+        self._update_after_schedule(out)
         return out
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Hook: the step is scheduled (self._scheduled: its requests in num_scheduled_tokens'
+        order). Here it is the step the next update_from_output answers."""
+        self._last_output = out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first, in order (the oldest keep their place under memory pressure):
@@ -151,7 +170,6 @@ class Scheduler(SchedulerUpdate):
         ids_append, tokens_append = cached.req_ids.append, cached.new_token_ids.append
         computed_append = cached.num_computed_tokens.append
         running, scheduled = self.running, self._scheduled
-        advance = self.config.async_scheduling
         i = 0
         while i < len(running) and budget > 0:
             # The common case, tight: a request the workers hold whose remaining tokens fit the
@@ -166,7 +184,7 @@ class Scheduler(SchedulerUpdate):
                 computed = request.num_computed_tokens
                 tokens = request.all_token_ids
                 num_new = len(tokens) - computed
-                if not 0 < num_new <= budget:  # 0: it waits for its token (async scheduling)
+                if not 0 < num_new <= budget:  # 0: it waits for a token in flight (AsyncScheduler)
                     break
                 request_id = request.request_id
                 slots = num_slots[request_id]
@@ -187,12 +205,6 @@ class Scheduler(SchedulerUpdate):
                 tokens_append([tokens[computed]] if num_new == 1 else tokens[computed:])
                 computed_append(computed)
                 budget -= num_new
-                if advance:  # _advance inline (this path's step always reaches the last token)
-                    end = computed + num_new
-                    request.num_computed_tokens = end
-                    if end < request.max_num_tokens - 1 and (
-                            request.sampling_params.n == 1 or end > len(request.prompt_token_ids)):
-                        tokens.append(PLACEHOLDER_TOKEN_ID)
             count = len(num_scheduled) - first
             scheduled += running[i:i + count]
             block_ids = cached.new_block_ids
@@ -229,7 +241,7 @@ class Scheduler(SchedulerUpdate):
                 running.pop(i)
                 self._finish_unfittable(request, out)
                 return i, budget  # running[i] is already the next request
-            victim_index = self._pick_victim()
+            victim_index = self.waiting.preemption_victim(running)
             victim = running[victim_index]
             budget += self._preempt(victim_index, out)
             if victim is request:
@@ -252,30 +264,28 @@ class Scheduler(SchedulerUpdate):
         else:
             self._num_slots[request_id] += len(new_blocks) * self.config.block_size
         out.num_scheduled_tokens[request_id] = num_new
-        if request_id in self._on_workers and request_id not in self._rewritten:
+        rewritten = kv.pop_rewritten(request_id)
+        if request_id in self._on_workers and not rewritten:
             cached = out.scheduled_cached_reqs
             cached.req_ids.append(request_id)
             cached.new_token_ids.append(request.all_token_ids[computed:computed + num_new])
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(computed)
         else:
-            self._send_new(request, kv.get_block_ids(request_id), out)
-        if self.config.async_scheduling:
-            self._advance(request, computed + num_new)
+            self._send_new(request, kv.get_block_ids(request_id), out, rewritten)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Then waiting requests, in queue order; in fcfs they never preempt running ones.
         Returns the budget left."""
         config, kv = self.config, self.kv_cache_manager
         waiting, running = self.waiting, self.running
-        held_back = self._held_back
         while len(waiting) and budget > 0:
             request = waiting.peek()
-            if held_back and request.request_id in held_back:
-                break  # preempted while its step is in flight: it waits for that step's answer
+            if not self._may_admit(request):
+                break
             if len(running) >= config.max_num_seqs:
-                if self._priority and self._outranks_a_running_request(request):
-                    budget += self._preempt(self._pick_victim(), out)
+                if waiting.outranks_running(request, running):
+                    budget += self._preempt(waiting.preemption_victim(running), out)
                     continue
                 break
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
@@ -290,8 +300,8 @@ class Scheduler(SchedulerUpdate):
                     waiting.pop()
                     self._finish_unfittable(request, out)
                     continue
-                if self._priority and self._outranks_a_running_request(request):
-                    budget += self._preempt(self._pick_victim(), out)
+                if waiting.outranks_running(request, running):
+                    budget += self._preempt(waiting.preemption_victim(running), out)
                     continue
                 break
             waiting.pop()
@@ -304,40 +314,29 @@ class Scheduler(SchedulerUpdate):
             out.num_scheduled_tokens[request.request_id] = num_new
             self._scheduled.append(request)
             budget -= num_new
-            self._send_new(request, new_blocks, out)
-            if config.async_scheduling:
-                self._advance(request, num_hit_tokens + num_new)
+            # A table allocated just now was never rewritten: the workers get it whole anyway.
+            self._send_new(request, new_blocks, out, rewritten=False)
         return budget
 
+    def _may_admit(self, request: Request) -> bool:
+        """Hook: may the request at the head of the waiting queue be scheduled now? (If not,
+        nothing behind it is.)"""
+        return True
+
     # ---- helpers ---------------------------------------------------------------------------------
-    def _send_new(self, request: Request, block_ids: list[int], out: SchedulerOutput) -> None:
+    def _send_new(self, request: Request, block_ids: list[int], out: SchedulerOutput,
+                  rewritten: bool) -> None:
         request_id = request.request_id
-        if request_id in self._rewritten:
+        if rewritten and request_id in self._on_workers:
             # Copy-on-write replaced a block of a request the workers hold: drop it there and
             # send it again whole (workers drop before they add).
-            self._rewritten.discard(request_id)
-            if request_id in self._on_workers:
-                out.finished_req_ids.add(request_id)
+            out.finished_req_ids.add(request_id)
         self._on_workers.add(request_id)
         out.scheduled_new_reqs.append(NewRequestData(
             req_id=request_id, token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
             block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id))
-
-    def _pick_victim(self) -> int:
-        """Index in running of the request to preempt: the newest (fcfs) or the lowest priority,
-        newest among equals (priority)."""
-        running = self.running
-        if not self._priority:
-            return len(running) - 1
-        return max(range(len(running)), key=lambda k: (running[k].priority, running[k].arrival_time, k))
-
-    def _outranks_a_running_request(self, request: Request) -> bool:
-        if not self.running:
-            return False
-        victim = self.running[self._pick_victim()]
-        return (request.priority, request.arrival_time) < (victim.priority, victim.arrival_time)
 
     def _preempt(self, index: int, out: SchedulerOutput) -> int:
         """Preempt running[index] by recompute. Returns the tokens it had been given in this
@@ -347,18 +346,12 @@ class Scheduler(SchedulerUpdate):
         refund = out.num_scheduled_tokens.pop(request_id, 0)
         if refund:
             self._scheduled.remove(request)
-            self._unschedule(request_id, out)
+            if not out.unschedule(request_id):
+                self._on_workers.discard(request_id)  # never got it, or drops it anyway (resent)
         self.kv_cache_manager.free(request)
         del self._num_slots[request_id]
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        if self.config.async_scheduling:
-            # Its tokens still to come (two once the next step was scheduled too, as when the
-            # workers fail) are sampled again when it recomputes.
-            tokens = request.all_token_ids
-            while tokens and tokens[-1] == PLACEHOLDER_TOKEN_ID:
-                tokens.pop()
-            self._held_back.add(request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -376,27 +369,180 @@ class Scheduler(SchedulerUpdate):
         scratch = SchedulerOutput()
         while self.running:  # newest first: each goes to the front, so the oldest ends first
             self._preempt(len(self.running) - 1, scratch)
-        self._on_workers.clear()
-        self._rewritten.clear()
+        self._on_workers.clear()  # (freeing every table dropped its rewritten mark too)
         self._finished_req_ids.clear()
-        self._in_flight.clear()  # their answers died with the workers
-        self._held_back.clear()
         self.kv_cache_manager.reset_prefix_cache()
-
-    def _unschedule(self, request_id: str, out: SchedulerOutput) -> None:
-        """Take a request scheduled earlier in this step back out of the output (priority
-        preemption can pick one)."""
-        cached = out.scheduled_cached_reqs
-        if request_id in cached.req_ids:
-            k = cached.req_ids.index(request_id)
-            for column in (cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
-                del column[k]
-            return
-        out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != request_id]
-        # The workers never got it (or drop it anyway, if it was being resent).
-        self._on_workers.discard(request_id)
 
     def _finish_unfittable(self, request: Request, out: SchedulerOutput) -> None:
         """The request has outgrown the whole KV cache: end it with LENGTH (the cache's length)."""
         self._finish(request, _LENGTH, None, out.finished_req_ids)
-        self._pending_outputs.append(self._output(request, [], None))
+        self._pending_outputs.append(request_output(request, [], None))
+
+    # ---- the step's answer -----------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Take one step's sampled tokens. Returns a record for each request that got a token or
+        finished (after any that finished inside schedule()).
+
+        Each answered request's token goes at position `end`, where the step's tokens for it
+        end: it replaces a placeholder there (AsyncScheduler) or is appended. `end` is None
+        when the step's tokens count as computed only now (this class)."""
+        outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled, ends = self._take_answered(scheduler_output)
+        sampled_token_ids, logprobs = in_scheduled_order(num_scheduled, model_runner_output)
+        cache_blocks = self.kv_cache_manager.cache_blocks
+        block_size = self.config.block_size
+        max_model_len = self.config.max_model_len
+        ids_append, tokens_append = outputs.req_ids.append, outputs.new_token_ids.append
+        finished = False
+        for request, num_new, sampled, new_logprobs, end in zip(
+                scheduled, num_scheduled.values(), sampled_token_ids, logprobs or repeat(None),
+                ends or repeat(None)):
+            if request.status is not _RUNNING:
+                continue  # finished, aborted or preempted while the step ran
+            if end is None:
+                end = request.num_computed_tokens + num_new
+                request.num_computed_tokens = end
+            if end % block_size < num_new:
+                cache_blocks(request, end)  # the step filled a block: into the prefix cache
+            tokens = request.all_token_ids
+            num_tokens = len(tokens)
+            if end < num_tokens and tokens[end] != PLACEHOLDER_TOKEN_ID:
+                if sampled:
+                    raise ValueError(f"request {request.request_id!r} sampled a token mid-prompt")
+                continue  # a prefill chunk short of the prompt's end
+            if request.whole_records or len(sampled) != 1:
+                # A first token (n > 1: the fork), logprobs, a sample's record: kept whole.
+                finished |= self._take_sampled(request, sampled, new_logprobs, outputs, end)
+                continue
+            token = sampled[0]
+            if end < num_tokens:
+                tokens[end] = token
+            else:
+                tokens.append(token)
+            if token in request.stop_token_set or end + 1 >= request.max_num_tokens:
+                reason, stop_reason = check_stop(request, token, max_model_len)
+                if reason is not None:
+                    self._finish(request, reason, stop_reason, self._finished_req_ids)
+                    finished = True
+                    outputs.append(request_output(request, sampled, None))
+                    continue
+            # The plain record: the request's next token and nothing else.
+            ids_append(request.request_id)
+            tokens_append(sampled)
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def _take_answered(self, scheduler_output: SchedulerOutput
+                       ) -> tuple[Sequence[Request], list[int] | None]:
+        """Hook: the requests the answered step scheduled, in num_scheduled_tokens' order, and
+        where each one's tokens end (None: at its num_computed_tokens plus its scheduled ones)."""
+        if scheduler_output is self._last_output:
+            scheduled: Sequence[Request] = self._scheduled  # the usual case
+        else:
+            scheduled = [self.requests.get(request_id, _GONE)
+                         for request_id in scheduler_output.num_scheduled_tokens]
+        self._last_output = None
+        return scheduled, None
+
+    def _take_sampled(self, request: Request, sampled: list[int], logprobs: list[Logprobs] | None,
+                      outputs: EngineCoreOutputs, position: int) -> bool:
+        """update_from_output for a request whose record is kept whole; its token goes to
+        `position` (appended, or in a placeholder's place). Returns whether it finished."""
+        params = request.sampling_params
+        if params.n > 1 and not request.num_output_tokens:
+            self._fork(request, sampled, logprobs, outputs)
+            sampled = sampled[:1]
+            logprobs = logprobs[:1] if logprobs else logprobs
+        elif len(sampled) != 1:
+            raise ValueError(f"request {request.request_id!r}: expected one sampled token, "
+                             f"got {len(sampled)}")
+        token = sampled[0]
+        tokens = request.all_token_ids
+        if position == len(tokens):
+            tokens.append(token)
+        else:
+            tokens[position] = token
+        request.whole_records = request.sample_index != 0 or params.logprobs is not None
+        reason, stop_reason = check_stop(request, token, self.config.max_model_len)
+        if reason is not None:
+            self._finish(request, reason, stop_reason, self._finished_req_ids)
+        outputs.append(request_output(request, [token], logprobs))
+        return reason is not None
+
+    def _fork(self, parent: Request, sampled: list[int], logprobs: list[Logprobs] | None,
+              outputs: EngineCoreOutputs) -> None:
+        """The group's prompt is done and the worker sampled one token per sample: the parent
+        keeps token 0, samples 1..n-1 become requests of their own sharing its blocks. They go
+        just before the parent in running, so they are scheduled (and copy the shared partial
+        block) first and the parent usually writes into it in place. Samples beyond
+        max_num_seqs, or that a copying manager has no room for, wait and recompute."""
+        n = parent.sampling_params.n
+        if len(sampled) != n:
+            raise ValueError(f"request {parent.request_id!r} with n={n} got {len(sampled)} samples")
+        kv = self.kv_cache_manager
+        forked: list[Request] = []
+        for i in range(1, n):
+            child = new_sample(parent, i, sampled[i], self.config.max_model_len)
+            outputs.append(request_output(child, [sampled[i]], [logprobs[i]] if logprobs else None))
+            if child.status is RequestStatus.FINISHED:
+                continue
+            self.requests[child.request_id] = child
+            self._groups[parent.group_id].add(child.request_id)
+            if len(self.running) + len(forked) < self.config.max_num_seqs:
+                child.num_computed_tokens = parent.num_computed_tokens
+                try:
+                    kv.fork(parent, child)
+                except NoFreeBlocksError:
+                    child.num_computed_tokens = 0
+                else:
+                    child.status = _RUNNING
+                    self._num_slots[child.request_id] = -1
+                    forked.append(child)
+                    continue
+            self.waiting.add_preempted(child)
+        if forked:
+            self._num_slots[parent.request_id] = -1  # its last block may now be shared
+            at = self.running.index(parent)
+            self.running[at:at] = forked
+
+    # ---- finishing -------------------------------------------------------------------------------
+    def abort_requests(self, group_or_request_ids: str | list[str]) -> list[EngineCoreOutput]:
+        """Abort requests in any state. A group id aborts every sample of the group; a sample id
+        ("group#i", i >= 0: core/sample_ids.py) that one. UnknownRequestError, before anything changes, for an id that
+        names no unfinished request or group."""
+        ids = [group_or_request_ids] if isinstance(group_or_request_ids, str) else group_or_request_ids
+        targets = requests_named(ids, self.requests, self._groups)
+        outputs = []
+        dropped = set()
+        for request in targets.values():
+            if request.status is _RUNNING:
+                dropped.add(request.request_id)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT, None, self._finished_req_ids)
+            outputs.append(request_output(request, [], None))
+        if dropped:
+            self.running = [r for r in self.running if r.request_id not in dropped]
+        return outputs
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None,
+                dropped_ids: set[str]) -> None:
+        """End the request: free its blocks, forget it, and add its id to dropped_ids if the
+        workers hold it (the caller takes it out of running or waiting)."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv_cache_manager.free(request)
+        request_id = request.request_id
+        del self.requests[request_id]
+        self._num_slots.pop(request_id, None)
+        group = self._groups[request.group_id]
+        group.discard(request_id)
+        if not group:
+            del self._groups[request.group_id]
+        if request_id in self._on_workers:
+            self._on_workers.discard(request_id)
+            dropped_ids.add(request_id)

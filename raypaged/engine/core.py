@@ -2,6 +2,11 @@
 
 It owns the scheduler (and through it the KV block manager) and an executor that drives the
 workers. It knows nothing of text: requests arrive as token ids and leave as token ids.
+
+Two step functions, as the scheduler's class asks (config.async_scheduling): step() answers each
+step in the call that scheduled it; step_with_batch_queue() (AsyncScheduler) schedules and starts
+step N+1, then takes step N's answer. Callers call step(), which runs the pipelined one when the
+scheduler is an AsyncScheduler.
 """
 
 from __future__ import annotations
@@ -15,11 +20,11 @@ import threading
 import time
 
 from raypaged.config import EngineConfig
+from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, UnknownRequestError
-from raypaged.core.outputs import EngineCoreOutputs
+from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
 from raypaged.core.request import Request
-from raypaged.core.scheduler import Scheduler
 from raypaged.core.scheduler_config import SchedulerConfig
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
@@ -77,7 +82,7 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks(self.max_model_len,
                                                              self.max_num_batched_tokens)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(
+        self.scheduler = make_scheduler(SchedulerConfig(
             num_blocks=self.num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
@@ -141,22 +146,53 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, execute, update. With asynchronous scheduling the update is the previous
-        step's: the workers answer each step on the next call, having started this one."""
+        """One engine step: schedule, execute, update; the workers answer the step in this call.
+        Returns its records, after the abort records since the last step. Under asynchronous
+        scheduling (an AsyncScheduler) the step is step_with_batch_queue."""
+        if isinstance(self.scheduler, AsyncScheduler):
+            return self.step_with_batch_queue()
         with self._lock:
-            outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
+            outputs = self._take_outputs()
             if not self.scheduler.has_unfinished_requests():
-                if self._queued_since:
-                    self._attach_queue_times(outputs)
-                return outputs
-            # Asynchronous scheduling: the workers answer the step before this one (none for
-            # the first step in flight).
-            answered = self.scheduler.oldest_in_flight() if self.config.async_scheduling else None
-            scheduler_output = self.scheduler.schedule()
-            if not self.config.async_scheduling:
-                answered = scheduler_output
-            if self._queued_since:
-                self._note_first_scheduled(scheduler_output.scheduled_new_reqs)
+                return self._idle(outputs)
+            scheduler_output = self._schedule()
+        return self._execute_and_update(scheduler_output, scheduler_output, outputs)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Asynchronous scheduling: schedule step N+1 and start it; the workers return step N's
+        sampled tokens as they start N+1 (nothing for the first step in flight), and those
+        are the step's update. The scheduler's in-flight queue is the batch queue."""
+        scheduler = self.scheduler
+        assert isinstance(scheduler, AsyncScheduler)
+        with self._lock:
+            outputs = self._take_outputs()
+            if not scheduler.has_unfinished_requests():
+                return self._idle(outputs)
+            answered = scheduler.oldest_in_flight()
+            scheduler_output = self._schedule()
+        return self._execute_and_update(scheduler_output, answered, outputs)
+
+    def _take_outputs(self) -> EngineCoreOutputs:
+        outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
+        return outputs
+
+    def _idle(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Nothing to schedule: only abort records, whose requests leave the queue clock."""
+        if self._queued_since:
+            self._attach_queue_times(outputs)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if self._queued_since:
+            self._note_first_scheduled(scheduler_output.scheduled_new_reqs)
+        return scheduler_output
+
+    def _execute_and_update(self, scheduler_output: SchedulerOutput,
+                            answered: SchedulerOutput | None,
+                            outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Run scheduler_output on the workers and hand their answer, which answers the step
+        `answered` (None: none, the first step in flight), to the scheduler."""
         try:
             model_output = self.executor.execute_model(scheduler_output)
         except WorkerGroupError as e:
@@ -164,7 +200,8 @@ class EngineCore:
         else:
             self._consecutive_failures = 0
             with self._lock:
-                if answered is None:  # the first step in flight: nothing answered yet
+                if answered is None:
+                    assert isinstance(self.scheduler, AsyncScheduler)
                     update = self.scheduler.take_pending_outputs()
                 else:
                     update = self.scheduler.update_from_output(answered, model_output)
@@ -172,11 +209,14 @@ class EngineCore:
                 outputs.extend(update)
             else:
                 outputs = update  # the usual step: no abort records before it, nothing to copy
+        return self._with_queue_times(outputs)
+
+    def _with_queue_times(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         if self._queued_since or self._queue_times:
             self._attach_queue_times(outputs)
         return outputs
 
-    def _note_first_scheduled(self, new_reqs) -> None:
+    def _note_first_scheduled(self, new_reqs: list[NewRequestData]) -> None:
         now = time.monotonic()
         for new in new_reqs:  # a preempted request comes back here too: only its first time counts
             since = self._queued_since.pop(new.req_id, None)

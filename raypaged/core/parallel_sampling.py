@@ -1,0 +1,56 @@
+"""n > 1: one prefill for the group, then one request per sample.
+
+A request with SamplingParams.n = n is scheduled alone until its prompt is computed; the step
+that completes it samples n tokens. Token 0 stays with the request (sample 0, whose id is the
+group id); each token i > 0 starts sample i, a request of its own (id "group#i", built by
+core/sample_ids.py) that shares the parent's K/V. The scheduler decides where each new sample
+runs (see Scheduler._fork); this module only builds them.
+"""
+
+from __future__ import annotations
+
+from raypaged.core.errors import UnknownRequestError
+from raypaged.core.request import Request, RequestStatus
+from raypaged.core.sample_ids import parse_sample_id, sample_request_id
+from raypaged.core.stop_checks import check_stop, prepare_stop_checks
+
+
+def requests_named(ids: list[str], requests: dict[str, Request],
+                   groups: dict[str, set[str]]) -> dict[str, Request]:
+    """The unfinished requests the ids name, by request id: a group id names every sample of
+    the group, a sample id ("group#i", i >= 0: core/sample_ids.py) that one. UnknownRequestError for an id that
+    names no unfinished request or group (requests: live by id; groups: group id -> ids)."""
+    targets: dict[str, Request] = {}
+    for id_ in ids:
+        members = groups.get(id_)
+        if members is not None:
+            targets.update((rid, requests[rid]) for rid in sorted(members))
+        elif id_ in requests:
+            targets[id_] = requests[id_]
+        else:
+            # Sample 0 alone ("group#0"): its request id is the group id, which names the whole
+            # group.
+            group_id, index = parse_sample_id(id_)
+            if index != 0 or group_id not in requests:
+                raise UnknownRequestError(f"no unfinished request or group {id_!r}")
+            targets[group_id] = requests[group_id]
+    return targets
+
+
+def new_sample(parent: Request, index: int, token: int, max_model_len: int) -> Request:
+    """Sample `index` (> 0) of the parent's group with its first token appended, holding no
+    blocks and nothing computed yet. If that token already stops it, it is returned FINISHED
+    (with its finish reason): it never needs blocks of its own."""
+    group_id = parent.group_id
+    child = Request(
+        request_id=sample_request_id(group_id, index), prompt_token_ids=parent.prompt_token_ids,
+        sampling_params=parent.sampling_params.for_sample(index), eos_token_id=parent.eos_token_id,
+        arrival_time=parent.arrival_time, priority=parent.priority, cache_salt=parent.cache_salt,
+        group_id=group_id, sample_index=index)
+    prepare_stop_checks(child, max_model_len)
+    child.num_cached_tokens = parent.num_cached_tokens
+    child.append_output_token(token)
+    reason, stop_reason = check_stop(child, token, max_model_len)
+    if reason is not None:
+        child.status, child.finish_reason, child.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+    return child
