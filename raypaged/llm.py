@@ -89,6 +89,11 @@ class LLM:
             for request_id in [r for r in unfinished if results[r].finished]:
                 unfinished.discard(request_id)
                 progress.update(1)
+            if unfinished and not self.engine.has_unfinished_requests():
+                # Every sample gets a finishing record (core/group_progress.py): one missing is
+                # a bug, and waiting for it would spin here forever.
+                raise RaypagedError(f"the engine holds none of requests {sorted(unfinished)} "
+                                    "but some of their samples never finished")
         progress.close()
         for request_id in results:
             self._text.pop(request_id, None)

@@ -399,4 +399,5 @@ class Scheduler(SchedulerUpdate):
     def _finish_unfittable(self, request: Request, out: SchedulerOutput) -> None:
         """The request has outgrown the whole KV cache: end it with LENGTH (the cache's length)."""
         self._finish(request, _LENGTH, None, out.finished_req_ids)
-        self._pending_outputs.append(self._output(request, [], None))
+        for record in self._end_records(request):
+            self._pending_outputs.append(record)

@@ -194,7 +194,7 @@ class SchedulerUpdate:
             else:
                 self.waiting.remove(request)
             self._finish(request, FinishReason.ABORT, None, self._finished_req_ids)
-            outputs.append(self._output(request, [], None))
+            outputs.extend(self._end_records(request))
         if dropped:
             self.running = [r for r in self.running if r.request_id not in dropped]
         return outputs
@@ -218,6 +218,24 @@ class SchedulerUpdate:
         if request_id in self._on_workers:
             self._on_workers.discard(request_id)
             dropped_ids.add(request_id)
+
+    def _end_records(self, request: Request) -> list[EngineCoreOutput]:
+        """The records of a request finished without a token (aborted, failed, or outgrown the
+        cache): its own, and for an n > 1 parent that has not forked yet one per sample it now
+        never will, with the same reason.
+
+        The contract every consumer counts on: each sample index 0..n-1 of a group gets exactly
+        one finishing record, whatever the moment the group ends (waiting, mid-prefill, with
+        its forking step in flight). A parent forks on its first token, so one with none has
+        no samples of its own yet."""
+        records = [self._output(request, [], None)]
+        n = request.sampling_params.n
+        if n > 1 and request.sample_index == 0 and not request.num_output_tokens:
+            for i in range(1, n):
+                records.append(EngineCoreOutput(
+                    f"{request.group_id}#{i}", request.group_id, i, [], None, request.finish_reason,
+                    None, request.num_prompt_tokens, request.num_cached_tokens))
+        return records
 
     def _output(self, request: Request, token_ids: list[int], logprobs) -> EngineCoreOutput:
         return EngineCoreOutput(request.request_id, request.group_id, request.sample_index, token_ids,
