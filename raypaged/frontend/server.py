@@ -93,7 +93,8 @@ class FrontendServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if config.auth_token is not None:
             interceptors.append(BearerTokenInterceptor(config.auth_token))  # before any parsing
-        interceptors.append(MalformedRequestInterceptor())
+        # Every service with unary requests (reflection, request-streaming, is left to grpc).
+        interceptors.append(MalformedRequestInterceptor((SERVICE_NAME, health.SERVICE_NAME)))
         credentials = config.tls.server_credentials() if config.tls is not None else None
         server = grpc.aio.server(options=options, interceptors=interceptors)
         raypaged_pb2_grpc.add_RaypagedServiceServicer_to_server(RaypagedServicer(self.service), server)
