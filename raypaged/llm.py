@@ -13,6 +13,7 @@ from raypaged.core.errors import InvalidRequestError, RaypagedError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.text_check import invalid_text_message, lone_surrogate
 from raypaged.engine.core import EngineCore
 from raypaged.frontend.detokenizer import IncrementalDetokenizer
 from raypaged.frontend.stop_strings import StopStringMatcher
@@ -67,10 +68,19 @@ class LLM:
             raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
 
         results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompts, params_list):
-            text, token_ids = self._tokenize(prompt)
+        # Every prompt is checked before any is queued, and a refused add takes back those
+        # queued before it: a bad prompt in a batch leaves nothing running in the engine.
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (text, token_ids), params in zip(tokenized, params_list):
             request_id = str(next(self._ids))
-            self.engine.add_request(Request(request_id, token_ids, params))
+            try:
+                self.engine.add_request(Request(request_id, token_ids, params))
+            except Exception:
+                if results:  # their abort records are ignored later, as stop strings' are
+                    self.engine.abort_requests(list(results))
+                for earlier in results:
+                    self._text.pop(earlier, None)
+                raise
             results[request_id] = RequestOutput(
                 request_id, text, token_ids,
                 outputs=[CompletionOutput(i, "", []) for i in range(params.n)])
@@ -107,6 +117,9 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            bad = lone_surrogate(prompt)
+            if bad is not None:
+                raise InvalidRequestError(f"prompt: {invalid_text_message(bad)}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])
