@@ -50,7 +50,7 @@ class MetricsHTTPServer:
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
         server_class = type("MetricsServer", (_Server,), {"address_family": _family(host, port)})
-        self._httpd = make_server(host, port, make_wsgi_app(registry), server_class,
+        self._httpd: ThreadingWSGIServer = make_server(host, port, make_wsgi_app(registry), server_class,
                                   handler_class=_handler(idle_timeout_s))
         self.port: int = self._httpd.server_port
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
