@@ -14,6 +14,7 @@ from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sample_ids import sample_id
 from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.text_check import invalid_text_message, lone_surrogate
 from raypaged.engine.core import EngineCore
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.text.detokenizer import IncrementalDetokenizer
@@ -69,10 +70,19 @@ class LLM:
             raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
 
         results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompts, params_list):
-            text, token_ids = self._tokenize(prompt)
+        # Every prompt is checked before any is queued, and a refused add takes back those
+        # queued before it: a bad prompt in a batch leaves nothing running in the engine.
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (text, token_ids), params in zip(tokenized, params_list):
             request_id = str(next(self._ids))
-            self.engine.add_request(Request(request_id, token_ids, params))
+            try:
+                self.engine.add_request(Request(request_id, token_ids, params))
+            except Exception:
+                if results:  # their abort records are ignored later, as stop strings' are
+                    self.engine.abort_requests(list(results))
+                for earlier in results:
+                    self._text.pop(earlier, None)
+                raise
             results[request_id] = RequestOutput(
                 request_id, text, token_ids,
                 outputs=[CompletionOutput(i, "", []) for i in range(params.n)])
@@ -91,6 +101,11 @@ class LLM:
             for request_id in [r for r in unfinished if results[r].finished]:
                 unfinished.discard(request_id)
                 progress.update(1)
+            if unfinished and not self.engine.has_unfinished_requests():
+                # Every sample gets a finishing record (core/group_progress.py): one missing is
+                # a bug, and waiting for it would spin here forever.
+                raise RaypagedError(f"the engine holds none of requests {sorted(unfinished)} "
+                                    "but some of their samples never finished")
         progress.close()
         for request_id in results:
             self._text.pop(request_id, None)
@@ -104,6 +119,9 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            bad = lone_surrogate(prompt)
+            if bad is not None:
+                raise InvalidRequestError(f"prompt: {invalid_text_message(bad)}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])

@@ -319,8 +319,20 @@ class OutputLog:
             assert self.tokens[request_id] == request.output_token_ids
             assert self.ids[request_id] == (request.group_id, request.sample_index)
             check_finish(request, scheduler)
-        for request_id in self.tokens.keys() - self.requests.keys():  # forked, done at once
-            assert request_id in self.finished and len(self.tokens[request_id]) == 1
+        for request_id in self.tokens.keys() - self.requests.keys():
+            out = self.finished.get(request_id)
+            assert out is not None, f"{request_id!r} never got a finishing record"
+            if len(self.tokens[request_id]) != 1:  # else forked, done at once
+                # A sample never forked: its parent ended before its first token, and so did it.
+                parent = self.requests[out.group_id]
+                assert self.tokens[request_id] == [] and not parent.output_token_ids, request_id
+                assert out.finish_reason is parent.finish_reason, request_id
+        # Every group's stream completes: one finishing record per sample index it promised.
+        for request in self.requests.values():
+            if request.sample_index == 0:
+                ended = sorted(o.sample_index for o in self.finished.values()
+                               if o.group_id == request.group_id)
+                assert ended == list(range(request.sampling_params.n)), (request.group_id, ended)
 
 
 def check_finish(request: Request, scheduler: Scheduler) -> None:

@@ -163,11 +163,12 @@ def test_random_ids_random_chunks_equal_whole_decode(data):
     tokenizer = byte_level_tokenizer()
     vocab = len(tokenizer)
     ids = st.integers(min_value=0, max_value=vocab - 1)
+    skip = data.draw(st.booleans())
     prompt_ids = data.draw(st.lists(ids, max_size=8))
-    assume(not tokenizer.decode(prompt_ids).endswith("\ufffd"))
+    # Whole as decoded with the same skipping: a skipped special token may be all that ends it.
+    assume(not tokenizer.decode(prompt_ids, skip_special_tokens=skip).endswith("\ufffd"))
     output_ids = data.draw(st.lists(ids, max_size=40))
     chunks = data.draw(st.lists(st.integers(1, 4), max_size=40))
-    skip = data.draw(st.booleans())
     deltas = stream(tokenizer, prompt_ids, output_ids, chunks, skip)
     assert "".join(deltas) == expected_text(tokenizer, prompt_ids, output_ids, skip)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -189,6 +190,84 @@ def test_abort_rpc_ends_the_stream(server, client):
     with pytest.raises(RequestError) as error:
         client.abort("to-abort")
     assert error.value.code == grpc.StatusCode.NOT_FOUND
+
+
+class StartedCall:
+    """A Generate sent at once (the blocking Client sends on the first read), its messages read
+    in full by `finish`; the call's own deadline keeps a stream that never ends from hanging."""
+
+    def __init__(self, server, prompt, request_id: str, **sampling) -> None:
+        import raypaged.proto.v1.raypaged_pb2_grpc as pb_grpc
+        from raypaged.client import build_request
+
+        self.channel = grpc.insecure_channel(server.address)
+        stub = pb_grpc.RaypagedServiceStub(self.channel)
+        self.request_id = request_id
+        self.call = stub.Generate(build_request(prompt, request_id=request_id, **sampling), timeout=60)
+
+    def abort(self, client) -> None:
+        """Abort once the server knows the request (NOT_FOUND until its Generate arrived)."""
+        for _ in range(500):
+            try:
+                return client.abort(self.request_id)
+            except RequestError as e:
+                assert e.code == grpc.StatusCode.NOT_FOUND, e
+            time.sleep(0.01)
+        raise AssertionError(f"the server never knew {self.request_id!r}")
+
+    def finish(self) -> tuple[dict[int, int], object]:
+        """Each sample's finish reason and the usage: the stream must end by itself."""
+        reasons, usage = {}, None
+        try:
+            for message in self.call:
+                for delta in message.outputs:
+                    if delta.finish_reason:
+                        assert delta.index not in reasons, f"sample {delta.index} ended twice"
+                        reasons[delta.index] = delta.finish_reason
+                if message.HasField("usage"):
+                    usage = message.usage
+        finally:
+            self.channel.close()
+        return reasons, usage
+
+
+def test_abort_of_n_samples_waiting_to_be_scheduled_ends_every_sample(server, client):
+    """Issue 24: aborted before its prompt ran (so before its samples fork), an n > 1 stream got
+    sample 0's abort only and stayed open forever."""
+    from raypaged.proto.v1 import raypaged_pb2 as pb
+
+    # Every sequence slot taken (and blocks for all), so the group waits for one.
+    blockers = [StartedCall(server, random_prompts([8], 320, seed=40 + i)[0], f"blocker-{i}",
+                            max_tokens=70, **greedy()) for i in range(MAX_NUM_SEQS)]
+    try:
+        server.wait_until(lambda s: s.num_running == MAX_NUM_SEQS, 60, "the blockers to run")
+        group = StartedCall(server, "def fib(n):", "waiting-group", n=3, max_tokens=198, temperature=0.8)
+        server.wait_until(lambda s: s.num_waiting == 1, 60, "the group to wait")
+        group.abort(client)
+        reasons, usage = group.finish()
+        assert reasons == {i: pb.FINISH_REASON_ABORT for i in range(3)} and usage is not None
+    finally:
+        for blocker in blockers:
+            blocker.call.cancel()
+            blocker.channel.close()
+    server.wait_pool_whole(timeout=30)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_abort_of_n_samples_at_any_moment_ends_every_sample(server, client, n):
+    """The issue's reproducer: Generate then Abort at once or soon after (before scheduling,
+    during prefill, at the fork, after it): every sample ends, and the usage closes the stream."""
+    from raypaged.proto.v1 import raypaged_pb2 as pb
+
+    for k, delay in enumerate([0.0, 0.0, 0.005, 0.02, 0.1]):
+        call = StartedCall(server, "def fib(n):", f"any-moment-{n}-{k}", n=n, max_tokens=198,
+                           temperature=0.8)
+        time.sleep(delay)
+        call.abort(client)
+        reasons, usage = call.finish()
+        assert set(reasons) == set(range(n)) and usage is not None, (delay, reasons)
+        assert pb.FINISH_REASON_ABORT in reasons.values()
+    server.wait_pool_whole(timeout=30)
 
 
 def test_client_cancel_frees_blocks(server, client):

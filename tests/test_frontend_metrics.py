@@ -168,3 +168,29 @@ def test_errors_counted_by_code(server):
     _, after = scrape(server)
     name, code = "raypaged_request_errors_total", grpc.StatusCode.INVALID_ARGUMENT.name
     assert value(after, name, code=code) - value(before, name, code=code) == 1
+
+
+def test_idle_and_slow_clients_do_not_block_scrapes(server):
+    """Issue 24: one TCP connection that sent nothing blocked every scrape (the endpoint served
+    one connection at a time). Idle ones, one trickling a request in, and one that sent half a
+    request and went quiet: scrapes go on meanwhile."""
+    import socket
+
+    address = ("127.0.0.1", server.server.metrics_port)
+    idle = [socket.create_connection(address, timeout=30) for _ in range(8)]
+    slow = socket.create_connection(address, timeout=30)
+    half = socket.create_connection(address, timeout=30)
+    try:
+        half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+        for byte in b"GET /metr":
+            slow.sendall(bytes([byte]))
+            families, _ = scrape(server)  # each within its own 10 s timeout
+            assert "raypaged_num_requests_running" in families
+        slow.sendall(b"ics HTTP/1.0\r\n\r\n")  # the slow one is answered in the end, too
+        answer = b""
+        while chunk := slow.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.0 200") and b"raypaged_num_requests_running" in answer
+    finally:
+        for sock in [*idle, slow, half]:
+            sock.close()

@@ -357,6 +357,7 @@ CRAFTED = [
     b"\xff", b"\x0a", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x03\xff\xfe\xfd",  # truncated, bad varint, bad UTF-8
     b"\x1a\x05\x80\x80\x80\x80\x80", b"\x22\x80\x80\x80\x80\x10", b"\x0b\x0c", b"\x0f",  # groups, wire type 7
     b"\x22\x02\x08\xff", b"\x22\x04\x65\xff\xff\xff",  # sampling params cut inside
+    b"\x0a\x03\xed\xa0\x80", b"\x12\x03\xed\xb0\x80",  # a lone surrogate, UTF-8 style: not UTF-8
 ]
 
 
@@ -377,6 +378,20 @@ def test_fuzz_random_bytes(server, channel, method, payload):
 @given(st.sampled_from(list(METHODS)), st.binary(max_size=2000))
 def test_fuzz_random_bytes_full(server, channel, method, payload):
     send_bytes(server, channel, method, payload)
+
+
+def test_malformed_bytes_to_health_are_invalid_argument(server, channel):
+    """Every service of this server, not only raypaged.v1's: health checks refuse bytes that do
+    not parse with INVALID_ARGUMENT too (they got UNKNOWN: an unexpected DecodeError)."""
+    for payload in (b"\xff" * 16, b"\x12\x7fabc", b"\x0a\x03\xed\xa0\x80"):
+        with pytest.raises(grpc.RpcError) as raised:
+            channel.unary_unary("/grpc.health.v1.Health/Check")(payload, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (payload, raised.value)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(channel.unary_stream("/grpc.health.v1.Health/Watch")(payload, timeout=30))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (payload, raised.value)
+    with Client(server.address) as client:
+        assert client.health() == "SERVING"
 
 
 def test_garbage_on_a_raw_tcp_connection(server):

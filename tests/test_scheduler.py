@@ -467,3 +467,46 @@ def test_sample_zero_can_be_aborted_alone():
     assert sorted(h.scheduler.requests) == ["g#1", "g#2"]
     finished = h.drain()
     assert sorted(finished) == ["g#1", "g#2"]
+
+
+# ---- a group ends with a record for every sample (issue 24) -----------------------------------------
+
+def _finishing(outputs) -> dict[int, FinishReason]:
+    return {o.sample_index: o.finish_reason for o in outputs if o.finished}
+
+
+@pytest.mark.parametrize("moment", ["waiting", "mid_prefill", "fork_step_running", "after_fork"])
+def test_an_aborted_group_ends_every_sample_it_promised(moment):
+    """Whatever the moment of the abort, every sample index 0..n-1 gets one finishing record:
+    before the fork the samples 1..n-1 exist nowhere but in the client's count."""
+    h = Harness(max_num_seqs=4, max_num_batched_tokens=4, enable_chunked_prefill=True)
+    h.add("g", list(range(1, 11)), n=3, max_tokens=8, ignore_eos=True)
+    finished: dict[int, FinishReason] = {}
+    if moment == "mid_prefill":
+        _, outputs = h.step()  # 4 of its 10 prompt tokens
+        assert not outputs and h.scheduler.requests["g"].num_computed_tokens == 4
+    if moment == "fork_step_running":
+        h.step(), h.step()
+        out = h.scheduler.schedule()  # the prompt's last chunk: the step that forks
+        runner_output = h.worker.execute(out)
+        finished.update(_finishing(h.scheduler.abort_requests("g")))
+        finished.update(_finishing(h.scheduler.update_from_output(out, runner_output)))
+    else:
+        if moment == "after_fork":
+            for _ in range(3):
+                h.step()
+            assert sorted(h.scheduler.requests) == ["g", "g#1", "g#2"]
+        finished.update(_finishing(h.scheduler.abort_requests("g")))
+    assert finished == {0: FinishReason.ABORT, 1: FinishReason.ABORT, 2: FinishReason.ABORT}
+    assert not h.drain()  # nothing left to run; drain checks every block is back
+
+
+def test_sample_zero_aborted_before_the_fork_ends_the_group():
+    """Sample 0 alone, before it forked: its siblings can never be born, so they end too."""
+    h = Harness()
+    h.add("g", [1, 2, 3], n=2, max_tokens=8)
+    outputs = h.scheduler.abort_requests("g#0")
+    assert [(o.req_id, o.sample_index, o.finish_reason) for o in outputs] == [
+        ("g", 0, FinishReason.ABORT), ("g#1", 1, FinishReason.ABORT)]
+    assert not h.scheduler.has_unfinished_requests()
+

@@ -7,6 +7,7 @@ The oracle is the offline LLM on the same checkpoint: greedy output must match t
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -197,6 +198,68 @@ def test_bad_requests_get_openai_shaped_errors(server):
     assert client(server).completions.create(model="llama", prompt="x", max_tokens=2).usage.completion_tokens >= 1
 
 
+LONE = "\ud800"  # a lone UTF-16 surrogate: a valid JSON escape ("\\ud800"), no valid text
+CHAT = {"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+TEXT = {"model": "llama", "prompt": "x", "max_tokens": 2}
+# Every text field a client can send (issue 24: each was a 500), and the param each must name.
+BAD_TEXT = [
+    ("completions", {**TEXT, "prompt": LONE}, "prompt"),
+    ("completions", {**TEXT, "prompt": ["ok " + LONE]}, "prompt.0"),
+    ("completions", {**TEXT, "stop": LONE}, "stop"),
+    ("completions", {**TEXT, "stop": ["a", LONE]}, "stop.1"),
+    ("completions", {**TEXT, "request_id": LONE}, "request_id"),
+    ("completions", {**TEXT, "cache_salt": LONE}, "cache_salt"),
+    ("completions", {**TEXT, "user": LONE}, "user"),
+    ("completions", {**TEXT, "model": LONE}, "model"),
+    ("completions", {**TEXT, "suffix": "\udfff"}, "suffix"),
+    ("completions", {**TEXT, "an_unknown_field": LONE}, "an_unknown_field"),
+    ("chat/completions", {**CHAT, "stop": [LONE]}, "stop.0"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": LONE}]}]}, "messages.0.content.1.text"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "name": LONE}]},
+     "messages.0.name"),
+    ("chat/completions", {**CHAT, "model": LONE}, "model"),
+]
+# Wrong JSON types are refused, not coerced (OpenAI's API is strict).
+WRONG_TYPES = [
+    ("completions", {**TEXT, "stream": "yes"}, "stream"),
+    ("completions", {**TEXT, "max_tokens": "10"}, "max_tokens"),
+    ("completions", {**TEXT, "n": True}, "n"),
+    ("completions", {**TEXT, "ignore_eos": 1}, "ignore_eos"),
+    ("completions", {**TEXT, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+    ("chat/completions", {**CHAT, "logprobs": "true"}, "logprobs"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": 2.5}, "max_completion_tokens"),
+]
+
+
+def test_bad_text_and_wrong_types_are_400s_naming_the_field(server):
+    """Issue 24: lone surrogates gave HTTP 500 (a plain-text one for "model"); wrong types were
+    coerced. Each is a 400 in OpenAI's shape whose param names the field, streamed or not."""
+    base = f"{server['base']}/v1"
+    with requests.Session() as http:
+        for route, body, field in BAD_TEXT + WRONG_TYPES:
+            for stream in (False, True):
+                sent = body if "stream" in body else {**body, "stream": stream}
+                # json.dumps writes the surrogate as the escape a client would send.
+                response = http.post(f"{base}/{route}", data=json.dumps(sent),
+                                     headers={"content-type": "application/json"}, timeout=30)
+                assert response.status_code == 400, (route, field, response.text)
+                error = response.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["param"] == field, (field, error)
+                assert field in error["message"]
+        # A body that is not UTF-8 at all is refused too.
+        response = http.post(f"{base}/completions", data=b'{"model": "llama", "prompt": "\xff"}',
+                             headers={"content-type": "application/json"}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+        # A wrong method is the client's mistake, in OpenAI's shape, with the methods allowed.
+        response = http.get(f"{base}/completions", timeout=30)
+        assert response.status_code == 405 and response.json()["error"]["type"] == "invalid_request_error"
+        assert "POST" in response.headers.get("allow", "")
+    replica_reports(idle_and_whole)
+    assert client(server).completions.create(model="llama", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
 def grpc_stub(server) -> tuple[pb_grpc.RaypagedServiceStub, grpc.Channel]:
     channel = grpc.insecure_channel(f"127.0.0.1:{server['grpc']}")
     return pb_grpc.RaypagedServiceStub(channel), channel
@@ -225,6 +288,31 @@ def test_grpc_through_serve_proxy(server, oracle):
             list(stub.Generate(pb.GenerateRequest(prompt=""), metadata=APP_METADATA, timeout=30))
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "empty" in raised.value.details()
+
+
+MALFORMED = [b"\x12\x04\xff\xfe\xc0\xaf", b"\xff" * 16, b"\x12\x7fabc",
+             b"\x0a\x03\xed\xa0\x80"]  # the last: request_id holding a surrogate's UTF-8-like bytes
+
+
+def test_malformed_bytes_through_serve_proxy_are_invalid_argument(server):
+    """Issue 24: Serve's gRPC ingress answered UNKNOWN (an unexpected DecodeError) to bytes that
+    do not parse, where `raypaged launch` answers INVALID_ARGUMENT; every method, both doors."""
+    _, channel = grpc_stub(server)
+    with channel:
+        generate = channel.unary_stream("/raypaged.v1.RaypagedService/Generate")
+        abort = channel.unary_unary("/raypaged.v1.RaypagedService/Abort")
+        model_info = channel.unary_unary("/raypaged.v1.RaypagedService/GetModelInfo")
+        # (An AbortRequest skips the unknown field 2, a GetModelInfoRequest every field: those
+        # bytes parse for them.)
+        for call, cases in ((lambda d: list(generate(d, metadata=APP_METADATA, timeout=30)), MALFORMED),
+                            (lambda d: abort(d, metadata=APP_METADATA, timeout=30), MALFORMED[1:]),
+                            (lambda d: model_info(d, metadata=APP_METADATA, timeout=30), MALFORMED[1:3])):
+            for data in cases:
+                with pytest.raises(grpc.RpcError) as raised:
+                    call(data)
+                assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (data, raised.value)
+                assert "not a valid message" in raised.value.details()
+    replica_reports(idle_and_whole)
 
 
 def test_two_replicas_both_serve(server):

@@ -10,6 +10,7 @@ runs (see Scheduler._fork); this module only builds them.
 from __future__ import annotations
 
 from raypaged.core.errors import UnknownRequestError
+from raypaged.core.outputs import EngineCoreOutput, request_output
 from raypaged.core.request import Request, RequestStatus
 from raypaged.core.sample_ids import parse_sample_id, sample_request_id
 from raypaged.core.stop_checks import check_stop, prepare_stop_checks
@@ -54,3 +55,22 @@ def new_sample(parent: Request, index: int, token: int, max_model_len: int) -> R
     if reason is not None:
         child.status, child.finish_reason, child.stop_reason = RequestStatus.FINISHED, reason, stop_reason
     return child
+
+
+def end_records(request: Request) -> list[EngineCoreOutput]:
+    """The records of a request finished without a token (aborted, failed, or outgrown the
+    cache): its own, and for an n > 1 parent that has not forked yet one per sample it now
+    never will, with the same reason.
+
+    The contract every consumer counts on (core/group_progress.py): each sample index 0..n-1
+    of a group gets exactly one finishing record, whatever the moment the group ends (waiting,
+    mid-prefill, with its forking step in flight). A parent forks on its first token, so one
+    with none has no samples of its own yet."""
+    records = [request_output(request, [], None)]
+    n = request.sampling_params.n
+    if n > 1 and request.sample_index == 0 and not request.num_output_tokens:
+        for i in range(1, n):
+            records.append(EngineCoreOutput(
+                sample_request_id(request.group_id, i), request.group_id, i, [], None,
+                request.finish_reason, None, request.num_prompt_tokens, request.num_cached_tokens))
+    return records

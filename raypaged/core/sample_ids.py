@@ -2,7 +2,7 @@
 
 A request with n samples is one *group*; its id (the group id) is the id the client knows, and
 may not contain SEPARATOR (the frontend refuses such ids). The core prefills the prompt once and
-forks the samples (core/scheduler_update.py):
+forks the samples (core/parallel_sampling.py):
 
 - Sample 0 is the parent request, so its request id is the group id itself.
 - Sample i > 0 is a request of its own with request id `sample_id(group, i)` = "group#i".

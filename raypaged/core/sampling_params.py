@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from raypaged.core.errors import InvalidRequestError
+from raypaged.core.text_check import lone_surrogate
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (not any(isinstance(s, str) and lone_surrogate(s) for s in self.stop),
+             "stop strings must be valid text (no lone UTF-16 surrogates)"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be in [0, 20], got {self.logprobs!r}"),
         ]

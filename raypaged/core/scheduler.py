@@ -48,7 +48,7 @@ from raypaged.core.outputs import (
     in_scheduled_order,
     request_output,
 )
-from raypaged.core.parallel_sampling import new_sample, requests_named
+from raypaged.core.parallel_sampling import end_records, new_sample, requests_named
 from raypaged.core.request import (
     PLACEHOLDER_TOKEN_ID,
     FinishReason,
@@ -376,7 +376,8 @@ class Scheduler:
     def _finish_unfittable(self, request: Request, out: SchedulerOutput) -> None:
         """The request has outgrown the whole KV cache: end it with LENGTH (the cache's length)."""
         self._finish(request, _LENGTH, None, out.finished_req_ids)
-        self._pending_outputs.append(request_output(request, [], None))
+        for record in end_records(request):
+            self._pending_outputs.append(record)
 
     # ---- the step's answer -----------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -523,7 +524,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             self._finish(request, FinishReason.ABORT, None, self._finished_req_ids)
-            outputs.append(request_output(request, [], None))
+            outputs.extend(end_records(request))
         if dropped:
             self.running = [r for r in self.running if r.request_id not in dropped]
         return outputs

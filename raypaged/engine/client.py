@@ -20,6 +20,7 @@ import ray
 
 from raypaged.config import EngineConfig
 from raypaged.core.errors import EngineDeadError
+from raypaged.core.group_progress import GroupProgress
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
 from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
@@ -31,9 +32,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Stream:
     queue: asyncio.Queue
-    unfinished_samples: int
+    progress: GroupProgress  # the engine's view: which samples have had their finishing record
     group_id: str  # the id the caller knows
     engine_id: str  # the id the engine knows (see generate)
+    added: ray.ObjectRef | None = None  # the add_request call, once sent
 
 
 def _unwrap(error: BaseException) -> BaseException:
@@ -95,14 +97,14 @@ class AsyncEngineClient:
         # an abort of the earlier request still has on their way can never reach the new one,
         # nor can the engine still hold that id.
         engine_id = f"{group_id}@{next(self._next_engine_seq)}"
-        stream = _Stream(asyncio.Queue(), request.sampling_params.n, group_id, engine_id)
+        stream = _Stream(asyncio.Queue(), GroupProgress(request.sampling_params.n), group_id, engine_id)
         self._streams[engine_id] = stream
         self._engine_ids[group_id] = engine_id
         finished = False
         added = None
         try:
             try:
-                added = self.actor.add_request.remote(
+                added = stream.added = self.actor.add_request.remote(
                     dataclasses.replace(request, request_id=engine_id, group_id=engine_id))
                 await added
             except ray.exceptions.RayActorError as e:
@@ -114,11 +116,9 @@ class AsyncEngineClient:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
-                    stream.unfinished_samples -= 1
-                    if stream.unfinished_samples <= 0:
-                        finished = True
-                        return
+                if item.finished and stream.progress.end(item.sample_index) and stream.progress.complete:
+                    finished = True
+                    return
         finally:
             self._streams.pop(engine_id, None)
             self._engine_ids.pop(group_id, None)
@@ -140,11 +140,18 @@ class AsyncEngineClient:
         (that sample). An id that is not streaming here is ignored: it finished already."""
         owner, index = parse_sample_id(request_id)
         if request_id in self._engine_ids:
-            target = self._engine_ids[request_id]
+            engine_id = target = self._engine_ids[request_id]
         elif index is not None and owner in self._engine_ids:
-            target = sample_id(self._engine_ids[owner], index)
+            engine_id = self._engine_ids[owner]
+            target = sample_id(engine_id, index)
         else:
             return
+        stream = self._streams.get(engine_id)
+        if stream is None or stream.added is None:
+            return  # not sent yet: nothing in the engine to abort
+        # As in _abort_once_added: an abort that overtook its add would find nothing.
+        with contextlib.suppress(Exception):
+            await stream.added
         await self.actor.abort.remote([target])
 
     async def _pump(self) -> None:

@@ -15,20 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import make_wsgi_app
 
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.auth import BearerTokenInterceptor
 from raypaged.frontend.malformed import MalformedRequestInterceptor
 from raypaged.frontend.metrics import FrontendMetrics
+from raypaged.frontend.metrics_http import MetricsHTTPServer
 from raypaged.frontend.service import GenerationService
 from raypaged.frontend.servicer import RaypagedServicer
 from raypaged.frontend.supervisor import EngineFactory, EngineSupervisor, RestartPolicy
@@ -57,15 +55,6 @@ class ServerConfig:
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)  # with an engine factory
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # one line per scrape is noise
-        pass
-
-
-class _ThreadingWSGIServer(WSGIServer):
-    daemon_threads = True
-
-
 class FrontendServer:
     def __init__(self, engine: AsyncEngineClient, tokenizer: Any, config: ServerConfig = ServerConfig(),
                  owns_engine: bool = False, engine_factory: EngineFactory | None = None) -> None:
@@ -82,7 +71,7 @@ class FrontendServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._metrics_http: WSGIServer | None = None
+        self._metrics_http: MetricsHTTPServer | None = None
         self._poll_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
         self.supervisor = None if engine_factory is None else EngineSupervisor(engine_factory,
@@ -104,7 +93,8 @@ class FrontendServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if config.auth_token is not None:
             interceptors.append(BearerTokenInterceptor(config.auth_token))  # before any parsing
-        interceptors.append(MalformedRequestInterceptor())
+        # Every service with unary requests (reflection, request-streaming, is left to grpc).
+        interceptors.append(MalformedRequestInterceptor((SERVICE_NAME, health.SERVICE_NAME)))
         credentials = config.tls.server_credentials() if config.tls is not None else None
         server = grpc.aio.server(options=options, interceptors=interceptors)
         raypaged_pb2_grpc.add_RaypagedServiceServicer_to_server(RaypagedServicer(self.service), server)
@@ -131,11 +121,8 @@ class FrontendServer:
         self._watch_task = loop.create_task(self._watch_engine())
 
     def _start_metrics_http(self, host: str, port: int) -> None:
-        httpd = make_server(host, port, make_wsgi_app(self.metrics.registry),
-                            _ThreadingWSGIServer, handler_class=_QuietHandler)
-        self.metrics_port = httpd.server_port
-        threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
-        self._metrics_http = httpd
+        self._metrics_http = MetricsHTTPServer(host, port, self.metrics.registry)
+        self.metrics_port = self._metrics_http.port
 
     async def _poll_engine(self) -> None:
         """Engine stats into the metrics."""
@@ -197,8 +184,7 @@ class FrontendServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+            self._metrics_http.close()
         if self.owns_engine:
             await self.engine.shutdown()
         self._stopped.set()

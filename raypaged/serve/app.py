@@ -24,7 +24,8 @@ from raypaged.serve.args import ServeAppArgs
 from raypaged.serve.deployment import RaypagedDeployment
 from raypaged.serve.placement import replica_bundles, uses_gpu
 
-GRPC_SERVICER_FUNCTION = "raypaged.proto.v1.raypaged_pb2_grpc.add_RaypagedServiceServicer_to_server"
+# Not the generated one: this one answers INVALID_ARGUMENT to bytes that do not parse.
+GRPC_SERVICER_FUNCTION = "raypaged.serve.grpc_ingress.add_RaypagedServiceServicer_to_server"
 
 
 def deployment_options(args: ServeAppArgs, cluster_gpus: float) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from raypaged.engine.client import AsyncEngineClient
+from raypaged.frontend.malformed import refuse_undecodable
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
 from raypaged.proto.v1 import raypaged_pb2 as pb
@@ -44,7 +45,7 @@ api = FastAPI(title="raypaged", description="OpenAI-compatible API of a raypaged
 
 @api.exception_handler(OpenAIError)
 async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 @api.exception_handler(RequestValidationError)
@@ -56,7 +57,8 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 @api.exception_handler(HTTPException)
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     """Unknown routes (404) and wrong methods (405) in OpenAI's shape too."""
-    return await _openai_error(request, OpenAIError(error.status_code, str(error.detail)))
+    return await _openai_error(request, OpenAIError(error.status_code, str(error.detail),
+                                                    headers=dict(error.headers or {}) or None))
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -168,9 +170,11 @@ class RaypagedDeployment:
         return refusal
 
     # ---- raypaged.v1 through Serve's gRPC proxy ------------------------------------------------
+    # A request whose bytes did not parse arrives as an Undecodable (serve/grpc_ingress.py).
     async def Generate(self, request: pb.GenerateRequest,
                        grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            refuse_undecodable(request)
             async for response in self.service.generate(request):
                 yield response
         except Exception as e:
@@ -180,12 +184,18 @@ class RaypagedDeployment:
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
         """Reaches one replica: a request streaming on another answers NOT_FOUND here."""
         try:
+            refuse_undecodable(request)
             return await self.service.abort(request)
         except Exception as e:
             self._grpc_refused(grpc_context, e)
             raise
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:
+        try:
+            refuse_undecodable(request)
+        except Exception as e:
+            self._grpc_refused(grpc_context, e)
+            raise
         return self.service.model_info()
 
     def _grpc_refused(self, grpc_context, error: Exception) -> None:

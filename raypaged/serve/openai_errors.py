@@ -20,13 +20,19 @@ HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
+# OpenAI's error types by status; any other 4xx (405, 413, 415, …) is the client's mistake.
 ERROR_TYPE = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
-    500: "server_error",
 }
+
+
+def error_type(status: int) -> str:
+    if status in ERROR_TYPE:
+        return ERROR_TYPE[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 @dataclass
@@ -38,12 +44,13 @@ class OpenAIError(Exception):
     param: str | None = None
     code: str | None = None
     grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    headers: dict[str, str] | None = None  # e.g. Allow on a 405
 
     def __str__(self) -> str:
         return self.message
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+        return {"error": {"message": self.message, "type": error_type(self.status),
                           "param": self.param, "code": self.code}}
 
     @classmethod
@@ -64,6 +71,8 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> OpenAIError:
     parts, param = [], None
     for error in errors[:5]:
         location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        # A check over the whole body (serve/client_text.py) names its field in ctx.
+        location = location or str((error.get("ctx") or {}).get("field", ""))
         param = param or location or None
         parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""

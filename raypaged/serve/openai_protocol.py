@@ -6,6 +6,10 @@ are ignored as OpenAI's server ignores them, but features raypaged does not impl
 suffix, logit_bias, best_of > n, tools, structured output) are refused rather than silently
 dropped. Range checks on sampling values stay in one place: frontend/validation.py, reached
 through the GenerateRequest built here.
+
+Types are strict, as OpenAI's API is: `"stream": "yes"`, `"max_tokens": "10"` or `"n": true` are
+400s, never coerced (an int is still a float). Every string of the body, any field, is checked
+to be real text first (serve/client_text.py).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raypaged.core.errors import InvalidRequestError
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.client_text import check_client_text
 
 # The wire limits of raypaged.v1's fields: a larger value is a 400, not an overflow.
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -24,14 +29,26 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenIds = list[Int32]
 
 
+# Strict: no value is coerced from another JSON type. Unknown fields are ignored, as OpenAI does.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class OpenAIRequest(BaseModel):
     """What /v1/completions and /v1/chat/completions share: the sampling fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _client_text(cls, body: Any) -> Any:
+        # The whole body, before any field (nested or ignored ones too) is read.
+        return check_client_text(body)
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -117,7 +134,7 @@ class CompletionRequest(OpenAIRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[Any], None] = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raypaged.core.errors import RequestFailedError
+from raypaged.core.group_progress import GroupProgress
 from raypaged.core.outputs import EngineCoreOutput, Logprobs
 from raypaged.core.request import FinishReason, Request
 from raypaged.proto.v1 import raypaged_pb2 as pb
@@ -51,14 +52,15 @@ class RequestOutputProcessor:
             for _ in range(params.n)
         ]
         self.num_cached_tokens = 0
-        self._num_unfinished = params.n
+        self.progress = GroupProgress(params.n)  # the client's view: a stop string ends a sample here
 
     @property
     def finished(self) -> bool:
-        return self._num_unfinished == 0
+        """Every sample the client was promised has had its finishing delta."""
+        return self.progress.complete
 
     def unfinished_sample_indices(self) -> list[int]:
-        return [i for i, s in enumerate(self.samples) if s.finish_reason is None]
+        return self.progress.open_indices
 
     def samples_stopped_by_strings(self) -> list[int]:
         return [i for i, s in enumerate(self.samples) if s.stopped_by_string]
@@ -71,7 +73,7 @@ class RequestOutputProcessor:
     def process(self, out: EngineCoreOutput) -> ProcessedOutput | None:
         """The delta for one engine output; None for a sample that is already over."""
         sample = self.samples[out.sample_index]
-        if sample.finish_reason is not None:
+        if not self.progress.is_open(out.sample_index):
             return None
         if out.error is not None:
             raise RequestFailedError(f"request {self.request.group_id!r} failed in the engine: {out.error}")
@@ -107,7 +109,7 @@ class RequestOutputProcessor:
     def _finish(self, sample: _Sample, delta: pb.CompletionDelta, reason: FinishReason,
                 num_new_tokens: int) -> ProcessedOutput:
         sample.finish_reason = reason.value
-        self._num_unfinished -= 1
+        self.progress.end(delta.index)
         return ProcessedOutput(delta, num_new_tokens, reason.value)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[Logprobs]) -> list[pb.TokenLogprobs]:
