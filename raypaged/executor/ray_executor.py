@@ -92,9 +92,9 @@ class RayExecutor:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.model_dir = model_dir
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.parallel.tensor_parallel_size
         if not ray.is_initialized():
-            ray.init(address=config.ray_address, include_dashboard=False,
+            ray.init(address=config.parallel.ray_address, include_dashboard=False,
                      log_to_driver=False, ignore_reinit_error=True)
         self.use_gpu = self._use_gpu()
         self.workers: list[Any] = []
@@ -112,25 +112,23 @@ class RayExecutor:
             raise
 
     def _use_gpu(self) -> bool:
-        if self.config.device == "cpu":
+        if self.config.load.device == "cpu":
             return False
         gpus = ray.cluster_resources().get("GPU", 0)
-        if self.config.device == "cuda" and gpus < self.world_size:
+        if self.config.load.device == "cuda" and gpus < self.world_size:
             raise RuntimeError(f"tensor_parallel_size {self.world_size} needs {self.world_size} GPUs; "
                                f"the Ray cluster has {gpus:g}")
         return gpus >= self.world_size
 
     def _start_workers(self) -> None:
-        cpus = self.config.ray_cpus_per_worker or (1.0 if self.use_gpu else 0.25)
+        cpus = self.config.parallel.cpus_per_worker(self.use_gpu)
         bundle = {"CPU": cpus, "GPU": 1} if self.use_gpu else {"CPU": cpus}
         first_bundle = self._place_workers(bundle)
         actor_class = ray.remote(RayWorkerActor)
         config = self.config
-        if not self.use_gpu and config.device == "auto":
+        if not self.use_gpu and config.load.device == "auto":
             # The workers must agree with the placement: no GPU was reserved for them.
-            import dataclasses
-
-            config = dataclasses.replace(config, device="cpu")
+            config = config.replace(device="cpu")
         self.workers = [
             actor_class.options(
                 num_cpus=cpus, num_gpus=1 if self.use_gpu else 0,
@@ -142,7 +140,7 @@ class RayExecutor:
         host, port = ray.get(self.workers[0].address_for_rendezvous.remote())
         # All ranks join torch.distributed together: each call blocks until every rank arrives.
         self._call_all("init_worker", f"tcp://{host}:{port}")
-        self.compiled_dag = self._compile() if self.config.use_compiled_graph else None
+        self.compiled_dag = self._compile() if self.config.parallel.use_compiled_graph else None
 
     def _place_workers(self, bundle: dict[str, float]) -> int:
         """Sets self.placement_group; returns the bundle index of rank 0.
@@ -156,7 +154,7 @@ class RayExecutor:
         if current is None:
             self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
                                                    strategy="PACK", name=_own_placement_group_name())
-            ray.get(self.placement_group.ready(), timeout=self.config.ray_start_timeout_s)
+            ray.get(self.placement_group.ready(), timeout=self.config.parallel.ray_start_timeout_s)
             return 0
         specs = current.bundle_specs
         first = len(specs) - self.world_size
@@ -179,7 +177,7 @@ class RayExecutor:
     def _call_all(self, method: str, *args) -> list[Any]:
         refs = [getattr(w, method).remote(*args) for w in self.workers]
         try:
-            return ray.get(refs, timeout=self.config.ray_start_timeout_s)
+            return ray.get(refs, timeout=self.config.parallel.ray_start_timeout_s)
         except _GROUP_FAILURES as e:
             self._failed = True
             raise WorkerGroupError(f"worker group failed in {method}: {e}") from e
@@ -195,10 +193,10 @@ class RayExecutor:
         try:
             if self.compiled_dag is not None:
                 refs = self.compiled_dag.execute(scheduler_output)
-                results = ray.get(refs, timeout=self.config.step_timeout_s)
+                results = ray.get(refs, timeout=self.config.parallel.step_timeout_s)
             else:
                 results = ray.get([w.execute_model.remote(scheduler_output) for w in self.workers],
-                                  timeout=self.config.step_timeout_s)
+                                  timeout=self.config.parallel.step_timeout_s)
         except _GROUP_FAILURES as e:
             self._failed = True
             raise WorkerGroupError(f"a tensor-parallel worker failed: {e}") from e
