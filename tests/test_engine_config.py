@@ -53,13 +53,13 @@ def test_the_flags_users_know_keep_working():
     args = engine_parser().parse_args([
         "--tp", "2", "--kv-cache-memory", "512MiB", "--no-async-scheduling",
         "--no-enable-prefix-caching", "--enforce-eager", "--address", "auto", "--block-size", "32",
-        "--attention-backend", "torch", "--max-model-len", "128",
+        "--attention-backend", "torch", "--no-pdl", "--no-gemm-epilogues", "--max-model-len", "128",
         "--distributed-executor-backend", "ray", "--piecewise-cuda-graph-max-tokens", "64"])
     config = EngineConfig.from_cli_args(args)
     assert config == EngineConfig(
         tensor_parallel_size=2, kv_cache_memory_bytes=512 * 2**20, async_scheduling=False,
         enable_prefix_caching=False, enforce_eager=True, ray_address="auto", block_size=32,
-        attention_backend="torch", max_model_len=128,
+        attention_backend="torch", pdl=False, gemm_epilogues=False, max_model_len=128,
         distributed_executor_backend="ray", piecewise_cuda_graph_max_tokens=64)
     assert EngineConfig.from_cli_args(engine_parser().parse_args(["--enable-prefix-caching"])) \
         .scheduler.enable_prefix_caching
@@ -83,9 +83,9 @@ def test_commands_default_what_they_own():
 
 # ---- sections and flat names -------------------------------------------------------------------
 def test_flat_names_reach_their_sections():
-    config = EngineConfig(model="/m", tensor_parallel_size=2, block_size=32, attention_backend="torch")
+    config = EngineConfig(model="/m", tensor_parallel_size=2, block_size=32, pdl=False)
     assert (config.load.model, config.parallel.tensor_parallel_size, config.scheduler.block_size,
-            config.kernel.attention_backend) == ("/m", 2, 32, "torch")
+            config.kernel.pdl) == ("/m", 2, 32, False)
     assert EngineConfig(**config.flat()) == config
     assert set(config.flat()) == EngineConfig.names()
     with pytest.raises(TypeError, match="blocksize"):

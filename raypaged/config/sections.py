@@ -172,11 +172,16 @@ class CompilationSettings:
 
 @dataclass(frozen=True)
 class KernelSettings:
-    """Which kernels run."""
+    """Which kernels run, and the launch features a user may want off (to compare, or to work
+    around a driver)."""
 
     attention_backend: str | None = setting(
         None, "torch (the references) or triton (default: triton on CUDA, torch on CPU)",
         choices=(None, "torch", "triton"))
+    pdl: bool = setting(True, "programmatic dependent launch of the decode kernels, where the "
+                              "GPU (Hopper and later) has it")
+    gemm_epilogues: bool = setting(True, "fuse RoPE and SwiGLU into the small-batch GEMMs where "
+                                         "the device's tuned table covers them")
 
     def validate(self) -> None:
         check_choices(self)

@@ -9,10 +9,10 @@ import logging
 import torch
 import torch.distributed as dist
 
-from raypaged.config import EngineConfig
+from raypaged.config import EngineConfig, KernelSettings
 from raypaged.config.sections import CPU_KV_CACHE_BYTES
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.kernels import ops
+from raypaged.kernels import gemv, ops, pdl
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
 from raypaged.model.loader import load_model
@@ -27,6 +27,15 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def apply_kernel_settings(settings: KernelSettings) -> None:
+    """The kernels' process-wide options, set before the model is built and its graphs captured
+    (they keep the kernels they recorded). "auto" picks triton for CUDA tensors and the torch
+    reference on CPU."""
+    ops.set_backend(settings.attention_backend or "auto")
+    pdl.set_enabled(settings.pdl)
+    gemv.set_epilogues(settings.gemm_epilogues)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -59,8 +68,7 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # Process-wide: "auto" picks triton for CUDA tensors and the torch reference on CPU.
-        ops.set_backend(self.config.kernel.attention_backend or "auto")
+        apply_kernel_settings(self.config.kernel)
         if self.world_size > 1:
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
                                     init_method=self.distributed_init_method, rank=self.rank,
@@ -170,7 +178,7 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        ops.set_backend("auto")
+        apply_kernel_settings(KernelSettings())  # this process may build another engine
         parallel.reset_tensor_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
