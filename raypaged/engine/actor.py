@@ -76,8 +76,7 @@ class EngineActor:
                     "num_waiting": scheduler.num_waiting}
 
     def worker_pids(self) -> list[int]:
-        pids = getattr(self.core.executor, "worker_pids", None)
-        return pids() if pids else []
+        return self.core.executor.worker_pids()
 
     def shutdown(self) -> None:
         self._stopping.set()

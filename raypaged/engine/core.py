@@ -20,6 +20,7 @@ from raypaged.core.errors import EngineDeadError, UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutputs
 from raypaged.core.request import Request
 from raypaged.core.scheduler import Scheduler
+from raypaged.executor.base import Executor
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
 
@@ -45,7 +46,7 @@ def resolve_model_dir(config: EngineConfig) -> str:
     return demo_model_path()
 
 
-def default_executor_class(config: EngineConfig) -> type:
+def default_executor_class(config: EngineConfig) -> type[Executor]:
     if config.parallel.uses_ray_workers:
         from raypaged.executor.ray_executor import RayExecutor
 
@@ -56,7 +57,7 @@ def default_executor_class(config: EngineConfig) -> type:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         """Raises ConfigError (ModelConfigError: one the checkpoint rules out) for settings
         that can never work, before any worker starts."""
         config.validate()

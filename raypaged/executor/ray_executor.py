@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -17,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor.base import Executor, WorkerCall, call_on_worker
 from raypaged.executor.errors import WorkerGroupError
 
 logger = logging.getLogger(__name__)
@@ -68,12 +70,6 @@ class RayWorkerActor:
         self.worker.init_device()
         self.worker.load_model()
 
-    def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return self.worker.determine_num_blocks(max_model_len, max_num_batched_tokens)
-
-    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.worker.initialize_cache(num_blocks, max_model_len)
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(scheduler_output)
 
@@ -82,13 +78,12 @@ class RayWorkerActor:
 
         return os.getpid()
 
-    def run_on_worker(self, fn, *args) -> Any:
-        """fn(worker, *args) in this rank's process: benchmarks probe a live rank (its process
-        group, model, device) without a method here for each probe."""
-        return fn(self.worker, *args)
+    def collective_rpc(self, method: WorkerCall, args: Sequence[Any]) -> Any:
+        """This rank's part of RayExecutor.collective_rpc."""
+        return call_on_worker(self.worker, method, args)
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.model_dir = model_dir
@@ -139,7 +134,8 @@ class RayExecutor:
         ]
         host, port = ray.get(self.workers[0].address_for_rendezvous.remote())
         # All ranks join torch.distributed together: each call blocks until every rank arrives.
-        self._call_all("init_worker", f"tcp://{host}:{port}")
+        init_method = f"tcp://{host}:{port}"
+        self._wait_all([w.init_worker.remote(init_method) for w in self.workers], "init_worker")
         self.compiled_dag = self._compile() if self.config.parallel.use_compiled_graph else None
 
     def _place_workers(self, bundle: dict[str, float]) -> int:
@@ -174,20 +170,19 @@ class RayExecutor:
             dag = MultiOutputNode([w.execute_model.bind(scheduler_output) for w in self.workers])
         return dag.experimental_compile()
 
-    def _call_all(self, method: str, *args) -> list[Any]:
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
+    def _wait_all(self, refs: list[Any], what: str) -> list[Any]:
         try:
             return ray.get(refs, timeout=self.config.parallel.ray_start_timeout_s)
         except _GROUP_FAILURES as e:
             self._failed = True
-            raise WorkerGroupError(f"worker group failed in {method}: {e}") from e
+            raise WorkerGroupError(f"worker group failed in {what}: {e}") from e
 
     # ---- the executor interface --------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return min(self._call_all("determine_num_blocks", max_model_len, max_num_batched_tokens))
+        return min(self.collective_rpc("determine_num_blocks", (max_model_len, max_num_batched_tokens)))
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self._call_all("initialize_cache", num_blocks, max_model_len)
+        self.collective_rpc("initialize_cache", (num_blocks, max_model_len))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
@@ -212,11 +207,13 @@ class RayExecutor:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
 
-    def run_on_workers(self, fn, *args) -> list[Any]:
-        """fn(worker, *args) on every rank at once, so collectives inside it pair up across
-        ranks; results in rank order. Call it between engine steps, from the thread that steps: a
-        step's collectives and the probe's must not interleave."""
-        return self._call_all("run_on_worker", fn, *args)
+    def collective_rpc(self, method: WorkerCall, args: Sequence[Any] = ()) -> list[Any]:
+        refs = [w.collective_rpc.remote(method, tuple(args)) for w in self.workers]
+        return self._wait_all(refs, method if isinstance(method, str) else repr(method))
+
+    def run_on_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """collective_rpc(fn, args) under its old name, which benchmarks/bench_tp.py still calls."""
+        return self.collective_rpc(fn, args)
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
