@@ -17,8 +17,7 @@ from prometheus_client import generate_latest
 from ray.serve.schema import ServeDeploySchema
 
 from checkpoints import checkpoint_dir
-from raypaged.config import EngineConfig
-from raypaged.config import ConfigError
+from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.errors import InvalidRequestError, QueueFullError
 from raypaged.engine.client import EngineDeadError
 from raypaged.frontend.metrics import FrontendMetrics
