@@ -77,14 +77,14 @@ def test_commands_default_what_they_own():
     assert EngineConfig.from_cli_args(launch).scheduler.max_waiting_requests == SERVING_MAX_WAITING_REQUESTS
     generate = build_parser().parse_args(["generate", "--prompt", "x"])
     assert generate.seed is None  # the request samples unseeded ...
-    assert EngineConfig.from_cli_args(generate).load.seed == 0  # ... the engine keeps its seed
+    assert EngineConfig.from_cli_args(generate).model_settings.seed == 0  # ... the engine keeps its seed
     assert build_parser().parse_args(["generate", "--prompt", "x", "--seed", "5"]).seed == 5
 
 
 # ---- sections and flat names -------------------------------------------------------------------
 def test_flat_names_reach_their_sections():
     config = EngineConfig(model="/m", tensor_parallel_size=2, block_size=32, pdl=False)
-    assert (config.load.model, config.parallel.tensor_parallel_size, config.scheduler.block_size,
+    assert (config.model_settings.model, config.parallel.tensor_parallel_size, config.scheduler.block_size,
             config.kernel.pdl) == ("/m", 2, 32, False)
     assert EngineConfig(**config.flat()) == config
     assert set(config.flat()) == EngineConfig.names()
@@ -95,8 +95,8 @@ def test_flat_names_reach_their_sections():
 def test_replace_leaves_the_original_and_no_flat_attributes():
     config = EngineConfig(device="auto")
     changed = config.replace(device="cpu", max_num_seqs=4)
-    assert (config.load.device, config.scheduler.max_num_seqs) == ("auto", SchedulerConfig.max_num_seqs)
-    assert (changed.load.device, changed.scheduler.max_num_seqs) == ("cpu", 4)
+    assert (config.model_settings.device, config.scheduler.max_num_seqs) == ("auto", SchedulerConfig.max_num_seqs)
+    assert (changed.model_settings.device, changed.scheduler.max_num_seqs) == ("cpu", 4)
     with pytest.raises(AttributeError):
         config.block_size = 8  # a flat attribute would be silently ignored: refused instead
 

@@ -99,7 +99,7 @@ def test_build_app_pins_the_device_its_bundles_reserve():
     app = build_app({"model": "/m"})  # no Ray here and no GPU: a CPU replica
     deployment = app._bound_deployment
     (args,) = deployment.init_args
-    assert args.engine.load.device == "cpu"
+    assert args.engine.model_settings.device == "cpu"
     assert deployment._replica_config.placement_group_bundles == [{"CPU": 1.0}]
 
 

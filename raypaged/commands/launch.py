@@ -94,8 +94,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         engine = await AsyncEngineClient.start(config)
         info = engine.model_info
-        tokenizer = AutoTokenizer.from_pretrained(config.load.tokenizer or info["model_dir"])
-        model_name = args.served_model_name or ("demo" if config.load.model is None else None)
+        tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
+        model_name = args.served_model_name or ("demo" if config.model_settings.model is None else None)
         server = FrontendServer(
             engine, tokenizer,
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,

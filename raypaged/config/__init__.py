@@ -11,7 +11,7 @@ from raypaged.config.sections import (
     CacheSettings,
     CompilationSettings,
     KernelSettings,
-    LoadSettings,
+    ModelSettings,
     ParallelSettings,
     SchedulerSettings,
 )
@@ -24,7 +24,7 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "KernelSettings",
-    "LoadSettings",
+    "ModelSettings",
     "ParallelSettings",
     "SchedulerSettings",
 ]

@@ -57,10 +57,6 @@ def settings_from_cli_args(args: argparse.Namespace) -> dict[str, Any]:
     not None means the flag was not given (a command may default a flag to None to see that, as
     `generate --seed` does): the setting keeps its default."""
     given = vars(args)
-    values = {}
-    for name, owner in SETTING_OWNERS.items():
-        value = given.get(name)
-        if value is None and owner.__dataclass_fields__[name].default is not None:
-            continue
-        values[name] = value
-    return values
+    defaults = {f.name: f.default for section in SECTIONS for f in dataclasses.fields(section)}
+    return {name: given.get(name) for name in SETTING_OWNERS
+            if given.get(name) is not None or defaults[name] is None}

@@ -18,7 +18,7 @@ from raypaged.config.sections import (
     CacheSettings,
     CompilationSettings,
     KernelSettings,
-    LoadSettings,
+    ModelSettings,
     ParallelSettings,
     SchedulerSettings,
 )
@@ -29,7 +29,7 @@ SERVING_MAX_WAITING_REQUESTS = 1024
 
 # The attribute of EngineConfig that holds each section.
 _SECTION_ATTRS: dict[type, str] = {
-    LoadSettings: "load", SchedulerSettings: "scheduler", CacheSettings: "cache",
+    ModelSettings: "model_settings", SchedulerSettings: "scheduler", CacheSettings: "cache",
     ParallelSettings: "parallel", CompilationSettings: "compilation", KernelSettings: "kernel",
 }
 
@@ -39,20 +39,21 @@ class EngineConfig:
     """The sections are frozen: a changed setting is a new section (replace()), so configs may
     share them. Slots make a misspelt or flat attribute (`config.block_size = 8`) an error."""
 
-    load: LoadSettings = field(default_factory=LoadSettings)
+    model_settings: ModelSettings = field(default_factory=ModelSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     compilation: CompilationSettings = field(default_factory=CompilationSettings)
     kernel: KernelSettings = field(default_factory=KernelSettings)
 
-    def __init__(self, *, load: LoadSettings | None = None, scheduler: SchedulerSettings | None = None,
-                 cache: CacheSettings | None = None, parallel: ParallelSettings | None = None,
-                 compilation: CompilationSettings | None = None, kernel: KernelSettings | None = None,
-                 **settings: Any) -> None:
+    def __init__(self, *, model_settings: ModelSettings | None = None,
+                 scheduler: SchedulerSettings | None = None, cache: CacheSettings | None = None,
+                 parallel: ParallelSettings | None = None,
+                 compilation: CompilationSettings | None = None,
+                 kernel: KernelSettings | None = None, **settings: Any) -> None:
         """Sections as given (defaults otherwise), then flat `settings` (EngineConfig.names())
         applied over them. An unknown name is a TypeError, as for any keyword argument."""
-        self.load = load or LoadSettings()
+        self.model_settings = model_settings or ModelSettings()
         self.scheduler = scheduler or SchedulerSettings()
         self.cache = cache or CacheSettings()
         self.parallel = parallel or ParallelSettings()

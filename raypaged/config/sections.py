@@ -24,7 +24,7 @@ CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
-class LoadSettings:
+class ModelSettings:
     """Which model, how its weights are loaded, and on which device it runs."""
 
     model: str | None = setting(None, "model directory (default: the built-in demo model)")
@@ -187,7 +187,7 @@ class KernelSettings:
         check_choices(self)
 
 
-SECTIONS: tuple[type, ...] = (LoadSettings, SchedulerSettings, CacheSettings, ParallelSettings,
+SECTIONS: tuple[type, ...] = (ModelSettings, SchedulerSettings, CacheSettings, ParallelSettings,
                               CompilationSettings, KernelSettings)
 
 

@@ -39,8 +39,8 @@ def eos_token_ids(model_config: ModelConfig) -> tuple[int, ...]:
 
 
 def resolve_model_dir(config: EngineConfig) -> str:
-    if config.load.model is not None:
-        return config.load.model
+    if config.model_settings.model is not None:
+        return config.model_settings.model
     from raypaged.demo import demo_model_path
 
     return demo_model_path()

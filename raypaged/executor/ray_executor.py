@@ -107,10 +107,10 @@ class RayExecutor(Executor):
             raise
 
     def _use_gpu(self) -> bool:
-        if self.config.load.device == "cpu":
+        if self.config.model_settings.device == "cpu":
             return False
         gpus = ray.cluster_resources().get("GPU", 0)
-        if self.config.load.device == "cuda" and gpus < self.world_size:
+        if self.config.model_settings.device == "cuda" and gpus < self.world_size:
             raise RuntimeError(f"tensor_parallel_size {self.world_size} needs {self.world_size} GPUs; "
                                f"the Ray cluster has {gpus:g}")
         return gpus >= self.world_size
@@ -121,7 +121,7 @@ class RayExecutor(Executor):
         first_bundle = self._place_workers(bundle)
         actor_class = ray.remote(RayWorkerActor)
         config = self.config
-        if not self.use_gpu and config.load.device == "auto":
+        if not self.use_gpu and config.model_settings.device == "auto":
             # The workers must agree with the placement: no GPU was reserved for them.
             config = config.replace(device="cpu")
         self.workers = [

@@ -19,9 +19,9 @@ IN_PROCESS_GPU_ENGINE = {"CPU": 1.0, "GPU": 1.0}
 def uses_gpu(config: EngineConfig, cluster_gpus: float) -> bool:
     """device "cuda" always means GPUs (say so on an autoscaling cluster that has none yet);
     "auto" means GPUs when the cluster has enough for one replica's workers."""
-    if config.load.device == "cpu":
+    if config.model_settings.device == "cpu":
         return False
-    return config.load.device == "cuda" or cluster_gpus >= config.parallel.tensor_parallel_size
+    return config.model_settings.device == "cuda" or cluster_gpus >= config.parallel.tensor_parallel_size
 
 
 def replica_bundles(config: EngineConfig, replica_num_cpus: float, use_gpu: bool) -> list[dict[str, float]]:

@@ -54,10 +54,10 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.local_rank = local_rank
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.device = resolve_device(config.load.device)
+        self.device = resolve_device(config.model_settings.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
-        self.dtype = resolve_dtype(config.load.dtype, self.device)
+        self.dtype = resolve_dtype(config.model_settings.dtype, self.device)
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         # The engine's token budget per step, told in determine_num_blocks: no piecewise graph
@@ -76,11 +76,11 @@ class Worker:
             parallel.init_tensor_parallel()
         else:
             parallel.reset_tensor_parallel()
-        torch.manual_seed(self.config.load.seed)
+        torch.manual_seed(self.config.model_settings.seed)
 
     def load_model(self) -> None:
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
-                                load_format=self.config.load.load_format, seed=self.config.load.seed)
+                                load_format=self.config.model_settings.load_format, seed=self.config.model_settings.seed)
 
     def bytes_per_block(self) -> int:
         mc = self.model_config
@@ -155,7 +155,7 @@ class Worker:
                      for _ in range(mc.num_hidden_layers)]
         self.runner = ModelRunner(self.model, kv_caches, self.config.scheduler.block_size, max_model_len,
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
-                                  seed=self.config.load.seed,
+                                  seed=self.config.model_settings.seed,
                                   async_output=self.config.scheduler.async_scheduling)
         if self.device.type == "cuda" and not self.config.compilation.enforce_eager:
             self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_model_len,
