@@ -152,13 +152,13 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
     elapsed = time.perf_counter() - start
     if generated != expected:
         raise RuntimeError(f"generated {generated} tokens, the requests asked for {expected}")
-    config = engine.config
+    block_size = engine.config.scheduler.block_size
     return {
         "requests": len(requests), "output_tokens": generated, "seconds": elapsed,
         "output_tokens_per_s": generated / elapsed, "engine_steps": steps,
         "preemptions": engine.scheduler.num_preemptions - preemptions_before,
         "num_kv_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
-        "memory": memory_summary(samples, engine.num_blocks * config.block_size, config.block_size),
+        "memory": memory_summary(samples, engine.num_blocks * block_size, block_size),
         "samples": [asdict(s) for s in samples],
     }
 

@@ -105,7 +105,7 @@ def step_collectives(worker, batch: int, iters: int) -> dict:
             parallel.tp_all_reduce(hidden)
 
     parts = {"all_reduce": forward, "all_gather": lambda: parallel.tp_all_gather(logits),
-             "broadcast": lambda: worker.config.async_scheduling and parallel.tp_broadcast(sampled)}
+             "broadcast": lambda: worker.config.scheduler.async_scheduling and parallel.tp_broadcast(sampled)}
     if graphs is not None:
         from raypaged.worker.cuda_graph import capture_graph
 

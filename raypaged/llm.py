@@ -44,7 +44,9 @@ class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  tensor_parallel_size: int = 1, skip_tokenizer_init: bool = False,
                  **engine_kwargs) -> None:
-        """skip_tokenizer_init: token ids in and out only (no text), as in vLLM."""
+        """engine_kwargs: any EngineConfig setting by its flat name (max_num_seqs=8, ...).
+        skip_tokenizer_init: token ids in and out only (no text), as in vLLM.
+        Raises ConfigError for settings that can never work."""
 
         config = EngineConfig(model=model, tokenizer=tokenizer,
                               tensor_parallel_size=tensor_parallel_size, **engine_kwargs)

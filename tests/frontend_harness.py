@@ -57,7 +57,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="server-loop", daemon=True)
         self._thread.start()
         config = server_config or ServerConfig(port=0, metrics_port=0, stats_interval_s=0.1)
-        self.tokenizer = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(engine_config.model_settings.tokenizer or engine_config.model_settings.model)
 
         async def start() -> FrontendServer:
             from raypaged.engine.client import AsyncEngineClient

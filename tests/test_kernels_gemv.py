@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raypaged import envs
 from raypaged.kernels import gemv, gemv_table
 from raypaged.kernels.activation import silu_and_mul_triton
 from raypaged.kernels.gemv import (
@@ -213,20 +214,26 @@ def test_epilogue_config_pairs_features_or_declines(monkeypatch):
     assert epilogue_config(torch.zeros(rows, 64), weight, 12, "rope") is None  # pairs of 4 < 16 / 2
     assert epilogue_config(torch.zeros(rows - 1, 64), weight, 64, "silu") is None  # too few rows
     assert epilogue_config(torch.zeros(MAX_ROWS + 1, 64), weight, 64, "silu") is None
-    monkeypatch.setenv(gemv.EPILOGUES_ENV_VAR, "silu")
-    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "rope") is None
-    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") == tuned
-    monkeypatch.setenv(gemv.EPILOGUES_ENV_VAR, "0")
-    assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") is None
+    monkeypatch.setattr(envs, "RAYPAGED_GEMM_EPILOGUES", "silu")
+    try:
+        gemv.set_epilogues(True)
+        assert epilogue_config(torch.zeros(rows, 64), weight, 64, "rope") is None
+        assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") == tuned
+        gemv.set_epilogues(False)  # KernelSettings.gemm_epilogues
+        assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") is None
+        monkeypatch.setattr(envs, "RAYPAGED_GEMM_EPILOGUES", "0")
+        gemv.set_epilogues(True)
+        assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") is None
+    finally:
+        monkeypatch.undo()
+        gemv.set_epilogues(True)
+    assert gemv.allowed_epilogues("rope, silu") == {"rope", "silu"}
+    assert gemv.allowed_epilogues("") == gemv.allowed_epilogues("0") == frozenset()
 
 
-def test_the_swiglu_epilogue_lets_the_down_projection_launch_at_its_end(monkeypatch):
+def test_the_swiglu_epilogue_lets_the_down_projection_launch_at_its_end():
     assert gemv._dependents_at_end(gemv.SILU_MUL)
     assert not gemv._dependents_at_end(gemv.ROPE) and not gemv._dependents_at_end(gemv.PLAIN)
-    monkeypatch.setenv(gemv.TRIGGER_ENV_VAR, "end")
-    assert gemv._dependents_at_end(gemv.PLAIN)
-    monkeypatch.setenv(gemv.TRIGGER_ENV_VAR, "start")
-    assert not gemv._dependents_at_end(gemv.SILU_MUL)
 
 
 def test_epilogues_refuse_blocks_that_split_a_pair():

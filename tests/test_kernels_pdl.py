@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from raypaged.kernels import pdl
-from raypaged.kernels import gemv
+from raypaged import envs
+from raypaged.kernels import gemv, pdl
 from raypaged.kernels.gemv import default_config, gemv_rope, gemv_silu_mul, gemv_triton
 from raypaged.kernels.paged_decode import paged_decode_triton
 from raypaged.kernels.testing import random_paged_batch
@@ -23,15 +23,22 @@ from raypaged.kernels.ops import add_rms_norm, rope_in_place, rope_tables, silu_
 
 @pytest.fixture
 def pdl_env(monkeypatch):
+    """Set RAYPAGED_PDL as envs.py would have read it (None: unset)."""
     def set_to(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv(pdl.ENV_VAR, raising=False)
-        else:
-            monkeypatch.setenv(pdl.ENV_VAR, value)
+        monkeypatch.setattr(envs, "RAYPAGED_PDL", value != "0")
         pdl._enabled.cache_clear()
 
     yield set_to
-    pdl._enabled.cache_clear()
+    pdl.set_enabled(True)
+
+
+def test_the_kernel_setting_turns_it_off(pdl_env, monkeypatch):
+    monkeypatch.setattr(pdl, "device_properties", lambda device: type("P", (), {"major": 9}))
+    pdl_env(None)
+    pdl.set_enabled(False)
+    assert not pdl._enabled(torch.device("cuda", 0))
+    pdl.set_enabled(True)
+    assert pdl._enabled(torch.device("cuda", 0))
 
 
 def test_this_triton_has_the_launch_option_and_the_wait():
@@ -84,9 +91,11 @@ def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env, monkeypatch)
 
     results = {}
     assert pdl._triton_has_pdl()
+    at_end = gemv._dependents_at_end
     for setting in ("0", "1", "1 end"):  # "end": the GEMMs let the next kernel launch at their end
         pdl_env(setting[0])
-        monkeypatch.setenv(gemv.TRIGGER_ENV_VAR, "end" if setting.endswith("end") else "start")
+        monkeypatch.setattr(gemv, "_dependents_at_end",
+                            (lambda epilogue: True) if setting.endswith("end") else at_end)
         assert pdl.pdl_launch(hidden)["USE_PDL"] == (setting[0] == "1")
         step()  # compile outside the capture
         torch.cuda.synchronize()

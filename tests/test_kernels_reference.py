@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raypaged import envs
 from raypaged.kernels import ops
 from raypaged.kernels.reference import (
     copy_blocks_ref,
@@ -158,9 +159,9 @@ def test_copy_blocks_copies_every_layer_and_validates():
 
 def test_backend_selection(monkeypatch):
     t = torch.zeros(1)
-    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    monkeypatch.setattr(envs, "RAYPAGED_ATTENTION_BACKEND", None)  # as envs.py read it
     assert ops.backend_for(t) == "torch"
-    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    monkeypatch.setattr(envs, "RAYPAGED_ATTENTION_BACKEND", "triton")
     assert ops.backend_for(t) == "triton"
     try:
         ops.set_backend("torch")
@@ -170,7 +171,7 @@ def test_backend_selection(monkeypatch):
     finally:
         ops.set_backend("auto")
     assert ops.backend_for(t) == "triton"
-    monkeypatch.setenv(ops.ENV_VAR, "tvm")
+    monkeypatch.setattr(envs, "RAYPAGED_ATTENTION_BACKEND", "tvm")
     with pytest.raises(ValueError, match=ops.ENV_VAR):
         ops.backend_for(t)
 

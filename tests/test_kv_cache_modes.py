@@ -12,9 +12,8 @@ import pytest
 from checkpoints import checkpoint_dir
 from hf_oracle import hf_greedy, random_prompts
 from raypaged import LLM, SamplingParams
-from raypaged.config import EngineConfig
+from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
-from raypaged.core.errors import InvalidRequestError
 from raypaged.core.kv_cache_manager import KVCacheManager
 from raypaged.core.request import Request
 
@@ -94,17 +93,17 @@ def test_a_pool_smaller_than_one_reservation_is_refused():
 
 
 def test_an_unknown_mode_is_rejected_before_anything_starts():
-    with pytest.raises(InvalidRequestError, match="kv_cache_mode"):
+    with pytest.raises(ConfigError, match="kv_cache_mode"):
         EngineConfig(kv_cache_mode="reserved").validate()
-    with pytest.raises(InvalidRequestError, match="kv_cache_mode"):
+    with pytest.raises(ConfigError, match="kv_cache_mode"):
         make_llm("reserved")
 
 
 def test_command_line_flag():
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
-    assert EngineConfig.from_cli_args(parser.parse_args([])).kv_cache_mode == "paged"
+    assert EngineConfig.from_cli_args(parser.parse_args([])).cache.kv_cache_mode == "paged"
     args = parser.parse_args(["--kv-cache-mode", "contiguous"])
-    assert EngineConfig.from_cli_args(args).kv_cache_mode == "contiguous"
+    assert EngineConfig.from_cli_args(args).cache.kv_cache_mode == "contiguous"
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-mode", "reserved"])

@@ -26,6 +26,7 @@ import ray
 from checkpoints import checkpoint_dir
 from frontend_harness import init_ray
 
+from raypaged import envs
 from raypaged.client import Client, RequestError, tls_credentials
 from raypaged.commands.network_security import security_from_args, warn_if_exposed
 from raypaged.config import EngineConfig
@@ -272,7 +273,7 @@ def test_a_file_that_is_not_pem_is_refused(tmp_path, pki):
 
 
 def test_token_from_the_environment(monkeypatch):
-    monkeypatch.setenv("RAYPAGED_AUTH_TOKEN", TOKEN)
+    monkeypatch.setattr(envs, "RAYPAGED_AUTH_TOKEN", TOKEN)  # as envs.py read it at start
     assert security_from_args(security_args()).auth_token == TOKEN
     assert security_from_args(security_args(auth_token="another-token-long-enough")).auth_token \
         == "another-token-long-enough"

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from ray.serve.schema import ServeDeploySchema
 
 from checkpoints import checkpoint_dir
-from raypaged.config import EngineConfig
+from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.errors import InvalidRequestError, QueueFullError
 from raypaged.engine.client import EngineDeadError
 from raypaged.frontend.metrics import FrontendMetrics
@@ -55,7 +55,7 @@ def test_args_split_engine_and_deployment_settings():
     ({"replica_num_cpus": -1}, "replica_num_cpus"),
 ])
 def test_bad_args_are_refused(raw, message):
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(ConfigError, match=message):
         ServeAppArgs.from_dict(raw)
 
 
@@ -99,7 +99,7 @@ def test_build_app_pins_the_device_its_bundles_reserve():
     app = build_app({"model": "/m"})  # no Ray here and no GPU: a CPU replica
     deployment = app._bound_deployment
     (args,) = deployment.init_args
-    assert args.engine.device == "cpu"
+    assert args.engine.model_settings.device == "cpu"
     assert deployment._replica_config.placement_group_bundles == [{"CPU": 1.0}]
 
 
@@ -121,7 +121,7 @@ def test_serve_configs_are_valid(name, config):
     options = deployment_options(args, cluster_gpus=0)
     assert options["autoscaling_config"]["target_ongoing_requests"] > 0  # scales on queue length
     if name == "kuberay":  # GPU workers: one GPU bundle per TP rank
-        tp = args.engine.tensor_parallel_size
+        tp = args.engine.parallel.tensor_parallel_size
         assert [b.get("GPU", 0) for b in options["placement_group_bundles"]] == [0] + [1.0] * tp
 
 

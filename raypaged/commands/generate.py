@@ -58,10 +58,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="with --server: bearer token (default: $RAYPAGED_AUTH_TOKEN)")
     EngineConfig.add_cli_args(parser)
     add_sampling_args(parser)
-    parser.set_defaults(run=run)
+    # Unset, the request samples unseeded and the engine keeps its default seed.
+    parser.set_defaults(run=run, seed=None)
 
 
 def run(args: argparse.Namespace) -> int:
+    from raypaged.config import ConfigError
     from raypaged.core.errors import InvalidRequestError
     from raypaged.llm import LLM
 
@@ -72,12 +74,10 @@ def run(args: argparse.Namespace) -> int:
         params = sampling_params_from_args(args)
         config = EngineConfig.from_cli_args(args)
         config.validate()
-    except InvalidRequestError as e:
+        llm = LLM(**config.flat())
+    except (InvalidRequestError, ConfigError) as e:
         print(f"raypaged generate: {e}", file=sys.stderr)
         return 2
-    kwargs = {k: v for k, v in vars(config).items() if k not in ("model", "tokenizer", "tensor_parallel_size")}
-    llm = LLM(config.model, tokenizer=config.tokenizer,
-              tensor_parallel_size=config.tensor_parallel_size, **kwargs)
     try:
         [result] = llm.generate(args.prompt, params)
     except InvalidRequestError as e:

@@ -7,9 +7,7 @@ import argparse
 import sys
 
 from raypaged.commands.network_security import add_security_args, security_from_args
-from raypaged.config import EngineConfig
-
-DEFAULT_MAX_WAITING_REQUESTS = 1024
+from raypaged.config import SERVING_MAX_WAITING_REQUESTS, EngineConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,41 +19,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics on this port (0: any free port; default: off)")
-    group.add_argument("--address", default=None,
-                       help="Ray cluster to join: auto, or HOST:PORT (default: start a local Ray)")
     group.add_argument("--served-model-name", default=None,
                        help="model name in ModelInfo and metric labels (default: the directory's name)")
-    group.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                       help="requests the engine queues before answering RESOURCE_EXHAUSTED")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds that streams in flight get to finish on SIGINT / SIGTERM")
     group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
                        help="start a new engine (with backoff) when the engine actor dies")
     add_security_args(parser)
     EngineConfig.add_cli_args(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, max_waiting_requests=SERVING_MAX_WAITING_REQUESTS)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from raypaged.core.errors import InvalidRequestError
+    from raypaged.config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = EngineConfig.from_cli_args(args)
-        config.ray_address = args.address
-        config.max_waiting_requests = args.max_waiting_requests
         config.validate()
         args.security = security_from_args(args)
-    except (InvalidRequestError, ValueError) as e:
+    except (ConfigError, ValueError) as e:  # ValueError: a bad TLS or token setting
         print(f"raypaged launch: {e}", file=sys.stderr)
         return 2
     try:
         for port in (args.port, args.metrics_port):
             _check_port_free(args.host, port)  # before minutes of start-up, not after
         return asyncio.run(serve(config, args))
+    except ConfigError as e:  # one the model rules out (e.g. tp not dividing its heads)
+        print(f"raypaged launch: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # e.g. the port is taken
         print(f"raypaged launch: {e}", file=sys.stderr)
         return 1
@@ -94,13 +89,13 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         # task per step, so a busy server reaches that in minutes. 10,000 bounds it at a tenth.
         os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
         # address None starts a local Ray; "auto" or HOST:PORT joins a running cluster.
-        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=config.parallel.ray_address, include_dashboard=False, log_to_driver=True)
     engine = None
     try:
         engine = await AsyncEngineClient.start(config)
         info = engine.model_info
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or info["model_dir"])
-        model_name = args.served_model_name or ("demo" if config.model is None else None)
+        tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
+        model_name = args.served_model_name or ("demo" if config.model_settings.model is None else None)
         server = FrontendServer(
             engine, tokenizer,
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,

@@ -40,9 +40,9 @@ class EngineActor:
             "architecture": core.model_config.architecture,
             "max_model_len": core.max_model_len,
             "vocab_size": core.model_config.vocab_size,
-            "block_size": core.config.block_size,
+            "block_size": core.config.scheduler.block_size,
             "num_blocks": core.num_blocks,
-            "tensor_parallel_size": core.config.tensor_parallel_size,
+            "tensor_parallel_size": core.config.parallel.tensor_parallel_size,
             "eos_token_ids": list(core.eos_token_ids),
         }
 
@@ -76,8 +76,7 @@ class EngineActor:
                     "num_waiting": scheduler.num_waiting}
 
     def worker_pids(self) -> list[int]:
-        pids = getattr(self.core.executor, "worker_pids", None)
-        return pids() if pids else []
+        return self.core.executor.worker_pids()
 
     def shutdown(self) -> None:
         self._stopping.set()

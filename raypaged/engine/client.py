@@ -63,8 +63,8 @@ class AsyncEngineClient:
         """Create the engine actor (it takes a GPU itself only when it runs the model in
         process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready."""
         gpus = ray.cluster_resources().get("GPU", 0)
-        in_process_gpu = (config.tensor_parallel_size == 1 and config.distributed_executor_backend != "ray"
-                          and config.device != "cpu" and gpus >= 1)
+        in_process_gpu = (not config.parallel.uses_ray_workers and config.model_settings.device != "cpu"
+                          and gpus >= 1)
         options = dict(max_concurrency=32, num_cpus=0 if not in_process_gpu else 1,
                        num_gpus=1 if in_process_gpu else 0)
         if actor_name:

@@ -25,13 +25,11 @@ from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
 from raypaged.core.request import Request
-from raypaged.core.scheduler_config import SchedulerConfig
+from raypaged.executor.base import Executor
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def eos_token_ids(model_config: ModelConfig) -> tuple[int, ...]:
@@ -46,15 +44,15 @@ def eos_token_ids(model_config: ModelConfig) -> tuple[int, ...]:
 
 
 def resolve_model_dir(config: EngineConfig) -> str:
-    if config.model is not None:
-        return config.model
+    if config.model_settings.model is not None:
+        return config.model_settings.model
     from raypaged.demo import demo_model_path
 
     return demo_model_path()
 
 
-def default_executor_class(config: EngineConfig) -> type:
-    if config.tensor_parallel_size > 1 or config.distributed_executor_backend == "ray":
+def default_executor_class(config: EngineConfig) -> type[Executor]:
+    if config.parallel.uses_ray_workers:
         from raypaged.executor.ray_executor import RayExecutor
 
         return RayExecutor
@@ -64,17 +62,17 @@ def default_executor_class(config: EngineConfig) -> type:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        """Raises ConfigError (ModelConfigError: one the checkpoint rules out) for settings
+        that can never work, before any worker starts."""
         config.validate()
         self.config = config
         self.model_dir = resolve_model_dir(config)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir, config.max_model_len)
-        self.model_config.check_tensor_parallel(config.tensor_parallel_size)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir, config.scheduler.max_model_len)
+        self.model_config.check_tensor_parallel(config.parallel.tensor_parallel_size)
         self.eos_token_ids = eos_token_ids(self.model_config)
         self.max_model_len = self.model_config.max_model_len
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
-            else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
+        self.max_num_batched_tokens = config.scheduler.token_budget(self.max_model_len)
 
         if executor_class is None:
             executor_class = default_executor_class(config)
@@ -82,18 +80,9 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks(self.max_model_len,
                                                              self.max_num_batched_tokens)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
-        self.scheduler = make_scheduler(SchedulerConfig(
-            num_blocks=self.num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            max_waiting_requests=config.max_waiting_requests,
-            async_scheduling=config.async_scheduling,
-        ), kv_cache_manager=self._contiguous_manager() if config.kv_cache_mode == "contiguous" else None)
+        contiguous = config.cache.kv_cache_mode == "contiguous"
+        self.scheduler = make_scheduler(config.scheduler.build(self.num_blocks, self.max_model_len),
+                                        kv_cache_manager=self._contiguous_manager() if contiguous else None)
         self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
@@ -110,7 +99,7 @@ class EngineCore:
         # rescanning it on every step (the scheduler allocates a few objects per request per step).
         gc.freeze()
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_config.architecture, self.num_blocks, config.block_size,
+                    self.model_config.architecture, self.num_blocks, config.scheduler.block_size,
                     self.max_model_len)
 
     def add_request(self, request: Request) -> None:
@@ -241,7 +230,7 @@ class EngineCore:
         logger.error("%s; restarting the worker group", message)
         with self._lock:
             self.scheduler.reset_workers()
-        while self._consecutive_failures < self.config.max_worker_restarts:
+        while self._consecutive_failures < self.config.parallel.max_worker_restarts:
             self._consecutive_failures += 1
             self.num_worker_restarts += 1
             try:
@@ -250,7 +239,7 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - any failure to start counts as one attempt
                 logger.error("worker group restart %d failed: %s", self._consecutive_failures, e)
                 message = f"{message}; restart failed: {e}"
-        self.dead = f"{message} (gave up after {self.config.max_worker_restarts} restarts)"
+        self.dead = f"{message} (gave up after {self.config.parallel.max_worker_restarts} restarts)"
         with self._lock:
             failed = self.scheduler.abort_requests(list(self.scheduler.requests)) \
                 if self.scheduler.requests else []
@@ -272,7 +261,7 @@ class EngineCore:
         """The reservation baseline (kv_cache_mode "contiguous"). A pool smaller than one
         max_model_len reservation could run nothing: ValueError, the workers shut down."""
         try:
-            return ContiguousKVCacheManager(self.num_blocks, self.config.block_size, self.max_model_len)
+            return ContiguousKVCacheManager(self.num_blocks, self.config.scheduler.block_size, self.max_model_len)
         except ValueError:
             self.executor.shutdown()
             raise

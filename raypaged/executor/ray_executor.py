@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -17,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor.base import Executor, WorkerCall, call_on_worker
 from raypaged.executor.errors import WorkerGroupError
 
 logger = logging.getLogger(__name__)
@@ -68,12 +70,6 @@ class RayWorkerActor:
         self.worker.init_device()
         self.worker.load_model()
 
-    def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return self.worker.determine_num_blocks(max_model_len, max_num_batched_tokens)
-
-    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.worker.initialize_cache(num_blocks, max_model_len)
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(scheduler_output)
 
@@ -82,19 +78,18 @@ class RayWorkerActor:
 
         return os.getpid()
 
-    def run_on_worker(self, fn, *args) -> Any:
-        """fn(worker, *args) in this rank's process: benchmarks probe a live rank (its process
-        group, model, device) without a method here for each probe."""
-        return fn(self.worker, *args)
+    def collective_rpc(self, method: WorkerCall, args: Sequence[Any]) -> Any:
+        """This rank's part of RayExecutor.collective_rpc."""
+        return call_on_worker(self.worker, method, args)
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.model_dir = model_dir
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.parallel.tensor_parallel_size
         if not ray.is_initialized():
-            ray.init(address=config.ray_address, include_dashboard=False,
+            ray.init(address=config.parallel.ray_address, include_dashboard=False,
                      log_to_driver=False, ignore_reinit_error=True)
         self.use_gpu = self._use_gpu()
         self.workers: list[Any] = []
@@ -112,25 +107,23 @@ class RayExecutor:
             raise
 
     def _use_gpu(self) -> bool:
-        if self.config.device == "cpu":
+        if self.config.model_settings.device == "cpu":
             return False
         gpus = ray.cluster_resources().get("GPU", 0)
-        if self.config.device == "cuda" and gpus < self.world_size:
+        if self.config.model_settings.device == "cuda" and gpus < self.world_size:
             raise RuntimeError(f"tensor_parallel_size {self.world_size} needs {self.world_size} GPUs; "
                                f"the Ray cluster has {gpus:g}")
         return gpus >= self.world_size
 
     def _start_workers(self) -> None:
-        cpus = self.config.ray_cpus_per_worker or (1.0 if self.use_gpu else 0.25)
+        cpus = self.config.parallel.cpus_per_worker(self.use_gpu)
         bundle = {"CPU": cpus, "GPU": 1} if self.use_gpu else {"CPU": cpus}
         first_bundle = self._place_workers(bundle)
         actor_class = ray.remote(RayWorkerActor)
         config = self.config
-        if not self.use_gpu and config.device == "auto":
+        if not self.use_gpu and config.model_settings.device == "auto":
             # The workers must agree with the placement: no GPU was reserved for them.
-            import dataclasses
-
-            config = dataclasses.replace(config, device="cpu")
+            config = config.replace(device="cpu")
         self.workers = [
             actor_class.options(
                 num_cpus=cpus, num_gpus=1 if self.use_gpu else 0,
@@ -141,8 +134,9 @@ class RayExecutor:
         ]
         host, port = ray.get(self.workers[0].address_for_rendezvous.remote())
         # All ranks join torch.distributed together: each call blocks until every rank arrives.
-        self._call_all("init_worker", f"tcp://{host}:{port}")
-        self.compiled_dag = self._compile() if self.config.use_compiled_graph else None
+        init_method = f"tcp://{host}:{port}"
+        self._wait_all([w.init_worker.remote(init_method) for w in self.workers], "init_worker")
+        self.compiled_dag = self._compile() if self.config.parallel.use_compiled_graph else None
 
     def _place_workers(self, bundle: dict[str, float]) -> int:
         """Sets self.placement_group; returns the bundle index of rank 0.
@@ -156,7 +150,7 @@ class RayExecutor:
         if current is None:
             self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
                                                    strategy="PACK", name=_own_placement_group_name())
-            ray.get(self.placement_group.ready(), timeout=self.config.ray_start_timeout_s)
+            ray.get(self.placement_group.ready(), timeout=self.config.parallel.ray_start_timeout_s)
             return 0
         specs = current.bundle_specs
         first = len(specs) - self.world_size
@@ -176,29 +170,28 @@ class RayExecutor:
             dag = MultiOutputNode([w.execute_model.bind(scheduler_output) for w in self.workers])
         return dag.experimental_compile()
 
-    def _call_all(self, method: str, *args) -> list[Any]:
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
+    def _wait_all(self, refs: list[Any], what: str) -> list[Any]:
         try:
-            return ray.get(refs, timeout=self.config.ray_start_timeout_s)
+            return ray.get(refs, timeout=self.config.parallel.ray_start_timeout_s)
         except _GROUP_FAILURES as e:
             self._failed = True
-            raise WorkerGroupError(f"worker group failed in {method}: {e}") from e
+            raise WorkerGroupError(f"worker group failed in {what}: {e}") from e
 
     # ---- the executor interface --------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return min(self._call_all("determine_num_blocks", max_model_len, max_num_batched_tokens))
+        return min(self.collective_rpc("determine_num_blocks", (max_model_len, max_num_batched_tokens)))
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self._call_all("initialize_cache", num_blocks, max_model_len)
+        self.collective_rpc("initialize_cache", (num_blocks, max_model_len))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             if self.compiled_dag is not None:
                 refs = self.compiled_dag.execute(scheduler_output)
-                results = ray.get(refs, timeout=self.config.step_timeout_s)
+                results = ray.get(refs, timeout=self.config.parallel.step_timeout_s)
             else:
                 results = ray.get([w.execute_model.remote(scheduler_output) for w in self.workers],
-                                  timeout=self.config.step_timeout_s)
+                                  timeout=self.config.parallel.step_timeout_s)
         except _GROUP_FAILURES as e:
             self._failed = True
             raise WorkerGroupError(f"a tensor-parallel worker failed: {e}") from e
@@ -214,11 +207,13 @@ class RayExecutor:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
 
-    def run_on_workers(self, fn, *args) -> list[Any]:
-        """fn(worker, *args) on every rank at once, so collectives inside it pair up across
-        ranks; results in rank order. Call it between engine steps, from the thread that steps: a
-        step's collectives and the probe's must not interleave."""
-        return self._call_all("run_on_worker", fn, *args)
+    def collective_rpc(self, method: WorkerCall, args: Sequence[Any] = ()) -> list[Any]:
+        refs = [w.collective_rpc.remote(method, tuple(args)) for w in self.workers]
+        return self._wait_all(refs, method if isinstance(method, str) else repr(method))
+
+    def run_on_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """collective_rpc(fn, args) under its old name, which benchmarks/bench_tp.py still calls."""
+        return self.collective_rpc(fn, args)
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])

@@ -9,10 +9,11 @@ token crosses the network in clear text: `raypaged launch` warns about that.
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Awaitable, Callable
 
 import grpc
+
+from raypaged import envs
 
 # grpc.aio's interceptor signature: the next interceptor, or the handler lookup.
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
@@ -28,8 +29,8 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
 
 
 def auth_token_from_env() -> str | None:
-    token = os.environ.get(AUTH_TOKEN_ENV, "").strip()
-    return token or None
+    """$RAYPAGED_AUTH_TOKEN as this process started with it (raypaged/envs.py); None if unset."""
+    return envs.RAYPAGED_AUTH_TOKEN
 
 
 def check_token(token: str) -> str:

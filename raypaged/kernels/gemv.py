@@ -32,11 +32,12 @@ epilogue (gemv_epilogues.py): ops.linear_rope / linear_silu_mul, from EPILOGUE_M
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from raypaged import envs
 
 from . import gemv_table
 from .gemv_epilogues import PLAIN, ROPE, SILU_MUL, finish, output_columns, rotation
@@ -51,12 +52,7 @@ DEFAULT_ROWS = 16
 _CONFIG_FIELDS = {"block_n", "block_k", "num_warps", "num_stages", "split_k"}
 # Steps of fewer rows run rope and SwiGLU as separate kernels (see epilogue_config).
 EPILOGUE_MIN_ROWS = DEFAULT_ROWS + 1
-# Which fused epilogues ops may use ("rope,silu"; "0" or "": none), for measuring them against
-# the separate kernels.
-EPILOGUES_ENV_VAR = "RAYPAGED_GEMM_EPILOGUES"
-# With PDL, where every GEMM lets the next kernel launch, for measuring: "start" or "end" (unset:
-# `_dependents_at_end`).
-TRIGGER_ENV_VAR = "RAYPAGED_GEMM_TRIGGER"
+EPILOGUES = ("rope", "silu")
 # Arrival counters per device: one per block of output features of a split-K launch.
 _MAX_SPLIT_TILES = 1 << 14
 
@@ -199,6 +195,22 @@ def launch_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     return _default_for(x, weight) if x.shape[0] <= DEFAULT_ROWS else None
 
 
+def allowed_epilogues(setting: str) -> frozenset[str]:
+    """The epilogues a RAYPAGED_GEMM_EPILOGUES value allows ("rope,silu"; "0" or "": none)."""
+    return frozenset(name.strip() for name in setting.split(",")) & frozenset(EPILOGUES)
+
+
+# The epilogues epilogue_config may choose (set_epilogues; RAYPAGED_GEMM_EPILOGUES narrows them).
+_epilogues = allowed_epilogues(envs.RAYPAGED_GEMM_EPILOGUES)
+
+
+def set_epilogues(enabled: bool) -> None:
+    """Allow the fused epilogues (those RAYPAGED_GEMM_EPILOGUES names) for the products planned
+    from now on in this process, or none. The worker sets it before it builds the model."""
+    global _epilogues
+    _epilogues = allowed_epilogues(envs.RAYPAGED_GEMM_EPILOGUES) if enabled else frozenset()
+
+
 def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, name: str) -> dict | None:
     """The config to run this product with the fused epilogue `name` ("rope": gemv_rope, "silu":
     gemv_silu_mul) whose pairs of output features lie `group` features apart (head_dim / 2; the
@@ -212,7 +224,7 @@ def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, name: str
     floor on rows. block_n narrows until its halves divide
     `group`; it must stay 16 or more (tl.dot's minimum)."""
     if (not supports(x, weight) or x.shape[0] < EPILOGUE_MIN_ROWS
-            or name not in os.environ.get(EPILOGUES_ENV_VAR, "rope,silu").split(",")):
+            or name not in _epilogues):
         return None
     entry = _tuned(x, weight)
     if entry is None:
@@ -316,9 +328,6 @@ def _dependents_at_end(epilogue: int) -> bool:
     that GEMM's end, while every GEMM triggering at its end cost more still (benchmarks/README.md,
     history). So only the SwiGLU-epilogue GEMM, whose output goes straight into the down
     projection, triggers at its end."""
-    forced = os.environ.get(TRIGGER_ENV_VAR)
-    if forced in ("start", "end"):
-        return forced == "end"
     return epilogue == SILU_MUL
 
 

@@ -4,16 +4,16 @@ decoder's elementwise steps: RMSNorm, SiLU·mul, rope): one signature, two backe
 "triton" runs the kernels in this package (on CUDA, or on CPU under TRITON_INTERPRET=1);
 "torch" runs the references (the CPU serving path). Choice, first match wins:
   1. set_backend("torch" | "triton")   (set_backend("auto") clears it)
-  2. env RAYPAGED_ATTENTION_BACKEND
+  2. env RAYPAGED_ATTENTION_BACKEND (read once, raypaged/envs.py)
   3. "triton" for CUDA tensors, "torch" otherwise
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from raypaged import envs
 
 from . import reference
 from .activation import silu_and_mul_triton
@@ -41,7 +41,7 @@ def backend_for(tensor: torch.Tensor) -> str:
     """The backend a call on `tensor` would use now."""
     if _override is not None:
         return _override
-    env = os.environ.get(ENV_VAR)
+    env = envs.RAYPAGED_ATTENTION_BACKEND
     if env:
         if env not in BACKENDS:
             raise ValueError(f"{ENV_VAR}={env!r}; expected one of {BACKENDS}")

@@ -9,22 +9,24 @@ kernel launched this way calls `wait_for_inputs` before it touches memory (input
 CUDA graph an output buffer may be one the predecessor still reads), so the order of effects is
 the stream's, as without PDL.
 
-On wherever the device (compute capability 9+) and Triton support it; RAYPAGED_PDL=0 turns it
-off. It shortens the decode step most at small batches (benchmarks/README.md).
+On wherever the device (compute capability 9+) and Triton support it, unless turned off:
+KernelSettings.pdl (`--no-pdl`, applied by the worker through set_enabled) or RAYPAGED_PDL=0.
+It shortens the decode step most at small batches (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from raypaged import envs
+
 from .triton_common import device_properties
 
-ENV_VAR = "RAYPAGED_PDL"
+_allowed = True  # set_enabled's; RAYPAGED_PDL=0 overrides it
 
 
 def _triton_has_pdl() -> bool:
@@ -36,9 +38,17 @@ def _triton_has_pdl() -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-@functools.lru_cache(maxsize=None)
+def set_enabled(enabled: bool) -> None:
+    """Allow PDL (where the device has it) for the kernels launched from now on, in this process.
+    Set before the model's CUDA graphs are captured: they keep the launches they recorded."""
+    global _allowed
+    _allowed = enabled
+    _enabled.cache_clear()
+
+
+@functools.cache
 def _enabled(device: torch.device) -> bool:
-    if os.environ.get(ENV_VAR, "1") == "0":
+    if not (_allowed and envs.RAYPAGED_PDL):
         return False
     return device_properties(device).major >= 9 and _triton_has_pdl()
 

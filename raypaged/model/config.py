@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raypaged.config.base import ConfigError
+
 # Architectures the decoder in llama.py serves; the names as config.json's "architectures" lists them.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """config.json describes a model this decoder cannot serve, or is malformed."""
 
 

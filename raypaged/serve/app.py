@@ -67,6 +67,6 @@ def build_app(raw_args: dict[str, Any] | None = None) -> Application:
     use_gpu = uses_gpu(args.engine, cluster_gpus)
     # Pin the device the bundles were sized for: a replica must never reach for a GPU its
     # placement group did not reserve (or leave a reserved one idle).
-    args = dataclasses.replace(args, engine=dataclasses.replace(args.engine, device="cuda" if use_gpu else "cpu"))
+    args = dataclasses.replace(args, engine=args.engine.replace(device="cuda" if use_gpu else "cpu"))
     deployment = serve.deployment(RaypagedDeployment).options(**deployment_options(args, cluster_gpus))
     return deployment.bind(args)

@@ -1,6 +1,6 @@
 """What a Serve config's `args:` block (or build_app's dict) may say, checked before anything starts.
 
-Engine settings keep EngineConfig's names (vLLM's), so a Serve config reads like `raypaged launch`
+Engine settings keep EngineConfig's flat names (vLLM's), so a Serve config reads like `raypaged launch`
 flags with underscores; deployment settings (replicas, autoscaling, resources) sit beside them.
 An unknown key is an error, not silently ignored: a typo in a YAML file must not go unnoticed.
 """
@@ -11,12 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypaged.config import EngineConfig
-from raypaged.core.errors import InvalidRequestError
+from raypaged.config import SERVING_MAX_WAITING_REQUESTS, ConfigError, EngineConfig
 from raypaged.frontend.validation import RequestLimits
-
-# Bounds the engine's waiting queue (a full one answers 429 / RESOURCE_EXHAUSTED), as launch does.
-DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 
 @dataclass
@@ -52,28 +48,28 @@ class ServeAppArgs:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "ServeAppArgs":
         raw = dict(raw or {})
-        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine_names = EngineConfig.names()
         own_names = {f.name for f in dataclasses.fields(cls)} - {"engine", "autoscaling", "limits"}
         limit_names = {f.name for f in dataclasses.fields(RequestLimits)}
         engine_values = {k: raw.pop(k) for k in list(raw) if k in engine_names}
-        engine_values.setdefault("max_waiting_requests", DEFAULT_MAX_WAITING_REQUESTS)
+        engine_values.setdefault("max_waiting_requests", SERVING_MAX_WAITING_REQUESTS)
         own = {k: raw.pop(k) for k in list(raw) if k in own_names}
         autoscaling = raw.pop("autoscaling", None)
         limits = raw.pop("limits", None) or {}
         if raw:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"unknown raypaged.serve argument(s) {sorted(raw)}; known: engine settings "
                 f"{sorted(engine_names)}, and {sorted(own_names | {'autoscaling', 'limits'})}")
         unknown_limits = set(limits) - limit_names
         if unknown_limits:
-            raise InvalidRequestError(f"unknown limits {sorted(unknown_limits)}; known: {sorted(limit_names)}")
+            raise ConfigError(f"unknown limits {sorted(unknown_limits)}; known: {sorted(limit_names)}")
         args = cls(engine=EngineConfig(**engine_values), limits=RequestLimits(**limits), **own)
         if autoscaling is not None:
             if not isinstance(autoscaling, dict):
-                raise InvalidRequestError(f"autoscaling must be a mapping, got {autoscaling!r}")
+                raise ConfigError(f"autoscaling must be a mapping, got {autoscaling!r}")
             known = {f.name for f in dataclasses.fields(AutoscalingArgs)}
             if set(autoscaling) - known:
-                raise InvalidRequestError(
+                raise ConfigError(
                     f"unknown autoscaling setting(s) {sorted(set(autoscaling) - known)}; known: {sorted(known)}")
             args.autoscaling = AutoscalingArgs(**autoscaling)
             args.num_replicas = None
@@ -100,4 +96,4 @@ class ServeAppArgs:
             ]
         for ok, message in checks:
             if not ok:
-                raise InvalidRequestError(message)
+                raise ConfigError(message)

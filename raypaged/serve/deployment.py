@@ -75,8 +75,8 @@ class RaypagedDeployment:
         self.args = args
         self.engine = await AsyncEngineClient.start(config)
         info = self.engine.model_info
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or info["model_dir"])
-        model_name = args.served_model_name or ("demo" if config.model is None else None)
+        tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
+        model_name = args.served_model_name or ("demo" if config.model_settings.model is None else None)
         self.service = GenerationService(self.engine, tokenizer, model_name=model_name, limits=args.limits)
         self.replica_id = serve.get_replica_context().replica_tag
         self._headers = {"x-raypaged-replica": self.replica_id}  # which replica answered

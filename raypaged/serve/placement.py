@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from raypaged.config import EngineConfig
 
-# Executor defaults (executor/ray_executor.py) when ray_cpus_per_worker is unset.
-GPU_WORKER_CPUS = 1.0
-CPU_WORKER_CPUS = 0.25
 # What the engine actor asks for when it runs the model in process on a GPU (engine/client.py).
 IN_PROCESS_GPU_ENGINE = {"CPU": 1.0, "GPU": 1.0}
 
@@ -22,21 +19,17 @@ IN_PROCESS_GPU_ENGINE = {"CPU": 1.0, "GPU": 1.0}
 def uses_gpu(config: EngineConfig, cluster_gpus: float) -> bool:
     """device "cuda" always means GPUs (say so on an autoscaling cluster that has none yet);
     "auto" means GPUs when the cluster has enough for one replica's workers."""
-    if config.device == "cpu":
+    if config.model_settings.device == "cpu":
         return False
-    return config.device == "cuda" or cluster_gpus >= config.tensor_parallel_size
-
-
-def uses_ray_workers(config: EngineConfig) -> bool:
-    return config.tensor_parallel_size > 1 or config.distributed_executor_backend == "ray"
+    return config.model_settings.device == "cuda" or cluster_gpus >= config.parallel.tensor_parallel_size
 
 
 def replica_bundles(config: EngineConfig, replica_num_cpus: float, use_gpu: bool) -> list[dict[str, float]]:
     bundles = [{"CPU": replica_num_cpus}]
-    if uses_ray_workers(config):
-        cpus = config.ray_cpus_per_worker or (GPU_WORKER_CPUS if use_gpu else CPU_WORKER_CPUS)
+    if config.parallel.uses_ray_workers:
+        cpus = config.parallel.cpus_per_worker(use_gpu)
         worker = {"CPU": cpus, "GPU": 1.0} if use_gpu else {"CPU": cpus}
-        bundles += [dict(worker) for _ in range(config.tensor_parallel_size)]
+        bundles += [dict(worker) for _ in range(config.parallel.tensor_parallel_size)]
     elif use_gpu:
         bundles.append(dict(IN_PROCESS_GPU_ENGINE))
     # On CPU at tp 1 the engine actor asks for no resources: bundle 0 holds the replica alone.

@@ -9,9 +9,10 @@ import logging
 import torch
 import torch.distributed as dist
 
-from raypaged.config import EngineConfig
+from raypaged.config import EngineConfig, KernelSettings
+from raypaged.config.sections import CPU_KV_CACHE_BYTES
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.kernels import ops
+from raypaged.kernels import gemv, ops, pdl
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
 from raypaged.model.loader import load_model
@@ -26,6 +27,15 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def apply_kernel_settings(settings: KernelSettings) -> None:
+    """The kernels' process-wide options, set before the model is built and its graphs captured
+    (they keep the kernels they recorded). "auto" picks triton for CUDA tensors and the torch
+    reference on CPU."""
+    ops.set_backend(settings.attention_backend or "auto")
+    pdl.set_enabled(settings.pdl)
+    gemv.set_epilogues(settings.gemm_epilogues)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -44,22 +54,21 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.local_rank = local_rank
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.model_settings.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.model_settings.dtype, self.device)
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         # The engine's token budget per step, told in determine_num_blocks: no piecewise graph
         # is captured for more tokens than a step can hold.
-        self.max_num_batched_tokens: int | None = config.max_num_batched_tokens
+        self.max_num_batched_tokens: int | None = config.scheduler.max_num_batched_tokens
 
     # ---- set-up, in the order the executor calls it ------------------------------------------
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # Process-wide: "auto" picks triton for CUDA tensors and the torch reference on CPU.
-        ops.set_backend(self.config.attention_backend or "auto")
+        apply_kernel_settings(self.config.kernel)
         if self.world_size > 1:
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
                                     init_method=self.distributed_init_method, rank=self.rank,
@@ -67,26 +76,26 @@ class Worker:
             parallel.init_tensor_parallel()
         else:
             parallel.reset_tensor_parallel()
-        torch.manual_seed(self.config.seed)
+        torch.manual_seed(self.config.model_settings.seed)
 
     def load_model(self) -> None:
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
-                                load_format=self.config.load_format, seed=self.config.seed)
+                                load_format=self.config.model_settings.load_format, seed=self.config.model_settings.seed)
 
     def bytes_per_block(self) -> int:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.config.block_size * kv_heads * mc.head_dim * element
+        return 2 * mc.num_hidden_layers * self.config.scheduler.block_size * kv_heads * mc.head_dim * element
 
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """How many KV blocks this rank can hold; the executor takes the minimum over ranks."""
         self.max_num_batched_tokens = max_num_batched_tokens
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
+        if self.config.cache.num_gpu_blocks_override is not None:
+            return self.config.cache.num_gpu_blocks_override
         per_block = self.bytes_per_block()
         if self.device.type != "cuda":
-            budget = self.config.kv_cache_memory_bytes or 256 * 2**20
+            budget = self.config.cache.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
             return max(1, budget // per_block)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -94,7 +103,7 @@ class Worker:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
-        available = self.config.gpu_memory_utilization * total - peak
+        available = self.config.cache.gpu_memory_utilization * total - peak
         torch.cuda.empty_cache()
         num_blocks = int(available // per_block)
         logger.info("KV profiling: peak %.2f GiB of %.2f GiB, %d blocks of %d bytes", peak / 2**30,
@@ -111,11 +120,11 @@ class Worker:
 
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
-        caches = [(torch.zeros(1, self.config.block_size, kv_heads, mc.head_dim, dtype=self.dtype,
+        caches = [(torch.zeros(1, self.config.scheduler.block_size, kv_heads, mc.head_dim, dtype=self.dtype,
                                device=self.device),) * 2 for _ in range(mc.num_hidden_layers)]
-        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        num_seqs = min(self.config.scheduler.max_num_seqs, num_tokens)
         per_seq = num_tokens // num_seqs
-        width = -(-per_seq // self.config.block_size)
+        width = -(-per_seq // self.config.scheduler.block_size)
         dev = self.device
         # Every logical block maps to the pool's one block: the kernels read real memory, and
         # nothing is written (slot -1).
@@ -140,16 +149,16 @@ class Worker:
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
-        shape = (num_blocks, self.config.block_size, kv_heads, mc.head_dim)
+        shape = (num_blocks, self.config.scheduler.block_size, kv_heads, mc.head_dim)
         kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                       torch.zeros(shape, dtype=self.dtype, device=self.device))
                      for _ in range(mc.num_hidden_layers)]
-        self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, max_model_len,
+        self.runner = ModelRunner(self.model, kv_caches, self.config.scheduler.block_size, max_model_len,
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
-                                  seed=self.config.seed,
-                                  async_output=self.config.async_scheduling)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            self.runner.capture_cuda_graphs(self.config.max_num_seqs, max_model_len,
+                                  seed=self.config.model_settings.seed,
+                                  async_output=self.config.scheduler.async_scheduling)
+        if self.device.type == "cuda" and not self.config.compilation.enforce_eager:
+            self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_model_len,
                                             self._piecewise_max_tokens())
         if self.device.type == "cuda" and ops.backend_for(kv_caches[0][0]) == "triton":
             from raypaged.kernels.warmup import warm_up_attention
@@ -159,9 +168,9 @@ class Worker:
 
     def _piecewise_max_tokens(self) -> int | None:
         """The largest piecewise-graph bucket, or None for no piecewise graphs."""
-        if not self.config.piecewise_cuda_graph:
+        if not self.config.compilation.piecewise_cuda_graph:
             return None
-        cap = self.config.piecewise_cuda_graph_max_tokens
+        cap = self.config.compilation.piecewise_cuda_graph_max_tokens
         return min(cap, self.max_num_batched_tokens or cap)
 
     # ---- per step ----------------------------------------------------------------------------
@@ -169,7 +178,7 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        ops.set_backend("auto")
+        apply_kernel_settings(KernelSettings())  # this process may build another engine
         parallel.reset_tensor_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,205 @@
+"""The sections of the engine's settings, named and defaulted as vLLM names them.
+
+Each field's default is stated here once (the scheduler's own limits once, in core's
+SchedulerConfig, which these defaults read); its flag and help text are derived from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from raypaged.config.base import check, check_choices, parse_bytes, setting
+from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
+
+KV_CACHE_MODES = ("paged", "contiguous")
+# The paged-attention kernels are compiled for these block sizes (the scheduler takes any).
+BLOCK_SIZES = (8, 16, 32)
+# What a Ray worker reserves unless ray_cpus_per_worker says: a GPU worker's host thread needs
+# a core; CPU workers in tests share them.
+GPU_WORKER_CPUS = 1.0
+CPU_WORKER_CPUS = 0.25
+# The KV pool on CPU, where there is no memory to profile, unless kv_cache_memory_bytes says.
+CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which model, how its weights are loaded, and on which device it runs."""
+
+    model: str | None = setting(None, "model directory (default: the built-in demo model)")
+    tokenizer: str | None = setting(None, "tokenizer directory (default: the model directory)")
+    dtype: str = setting("auto", "weights and activations; auto: bfloat16 on CUDA, float32 on CPU",
+                         choices=("auto", "float32", "float16", "bfloat16"))
+    load_format: str = setting("auto", "dummy: random weights of the checkpoint's shapes",
+                               choices=("auto", "dummy"))
+    seed: int = setting(0, "seeds random weights and unseeded sampling; `generate` also uses it "
+                           "as the request's sampling seed")
+    device: str = setting("auto", "auto: cuda where there is one", choices=("auto", "cpu", "cuda"))
+
+    def validate(self) -> None:
+        check_choices(self)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The scheduler's limits and policies: what core's SchedulerConfig is built from once the
+    model's length and the KV pool's size are known (build())."""
+
+    block_size: int = setting(SchedulerConfig.block_size, "tokens per KV block",
+                              choices=BLOCK_SIZES)
+    max_model_len: int | None = setting(
+        None, "prompt + output tokens of one request (default: the model's max_position_embeddings)")
+    max_num_seqs: int = setting(SchedulerConfig.max_num_seqs, "requests in the running batch at once")
+    max_num_batched_tokens: int | None = setting(
+        None, f"tokens computed per step over all requests (default: "
+              f"{SchedulerConfig.max_num_batched_tokens}; without chunked prefill at least "
+              f"max_model_len)")
+    enable_prefix_caching: bool = setting(SchedulerConfig.enable_prefix_caching,
+                                          "share the KV blocks of common prompt prefixes")
+    enable_chunked_prefill: bool = setting(SchedulerConfig.enable_chunked_prefill,
+                                           "split long prompts over steps, beside the decodes")
+    scheduling_policy: str = setting(SchedulerConfig.policy,
+                                     "fcfs: arrival order; priority: lower Request.priority first",
+                                     choices=POLICIES)
+    max_waiting_requests: int | None = setting(
+        SchedulerConfig.max_waiting_requests,
+        "requests queued before new ones are refused as RESOURCE_EXHAUSTED (default: unbounded)")
+    # On by default, unlike a bare Scheduler: the host's part of a step (scheduling, inputs, Ray's
+    # dispatch and return) then hides behind the GPU's. A request that stops computes one token
+    # more, which is dropped; the outputs are the same tokens either way.
+    async_scheduling: bool = setting(
+        True, "schedule each step while the previous one runs on the GPU "
+              "(--no-async-scheduling: one step at a time)")
+
+    def validate(self) -> None:
+        check_choices(self)
+        check([(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")])
+
+    def token_budget(self, max_model_len: int) -> int:
+        """max_num_batched_tokens, or its default for this model length: without chunking a
+        prompt is computed in one step, so the step must hold the longest one."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = SchedulerConfig.max_num_batched_tokens
+        return default if self.enable_chunked_prefill else max(default, max_model_len)
+
+    def build(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """Core's SchedulerConfig for a pool of `num_blocks` and the model's `max_model_len`
+        (its checks raise ValueError)."""
+        return SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.token_budget(max_model_len), max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
+            max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling)
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """How large the KV pool is and how it is handed out."""
+
+    gpu_memory_utilization: float = setting(
+        0.9, "share of GPU memory for weights, activations and the KV pool together")
+    num_gpu_blocks_override: int | None = setting(None, "KV blocks, instead of sizing the pool "
+                                                        "by profiling")
+    kv_cache_memory_bytes: int | None = setting(
+        None, f"KV pool size on CPU, e.g. 512MiB (default: {CPU_KV_CACHE_BYTES // 2**20}MiB)",
+        flags=("--kv-cache-memory",), parse=parse_bytes)
+    # contiguous: the allocator PagedAttention replaces, kept as the benchmark baseline.
+    kv_cache_mode: str = setting(
+        "paged", "paged: blocks on demand; contiguous: each request reserves max_model_len slots "
+                 "up front", choices=KV_CACHE_MODES)
+
+    def validate(self) -> None:
+        check_choices(self)
+        check([(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")])
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """Tensor parallelism, and the Ray worker group that runs it."""
+
+    tensor_parallel_size: int = setting(1, "GPUs (or CPU workers) the model is split over",
+                                        flags=("--tensor-parallel-size", "--tp"))
+    distributed_executor_backend: str | None = setting(
+        None, "workers in this process (uni) or in Ray actors (default: ray when tp > 1)",
+        choices=(None, "uni", "ray"))
+    ray_address: str | None = setting(
+        None, "Ray cluster to join: auto, or HOST:PORT (default: start a local Ray, or use the one "
+              "this process joined)", flags=("--ray-address", "--address"))
+    ray_cpus_per_worker: float | None = setting(None, f"CPUs each Ray worker reserves (default: {GPU_WORKER_CPUS:g} per GPU "
+                                                      f"worker, {CPU_WORKER_CPUS:g} per CPU worker)")
+    use_compiled_graph: bool = setting(True, "broadcast each step through a Ray Compiled Graph "
+                                             "(a tenth of a plain actor call's cost)")
+    step_timeout_s: float = setting(60.0, "a step slower than this means a hung worker group")
+    ray_start_timeout_s: float = setting(300.0, "seconds the worker group may take to start")
+    max_worker_restarts: int = setting(3, "failed worker-group restarts in a row before the "
+                                          "engine gives up")
+
+    def validate(self) -> None:
+        check_choices(self)
+        check([
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.distributed_executor_backend != "uni" or self.tensor_parallel_size == 1,
+             "tensor_parallel_size > 1 needs the ray executor"),
+        ])
+
+    @property
+    def uses_ray_workers(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "ray"
+
+    def cpus_per_worker(self, use_gpu: bool) -> float:
+        return self.ray_cpus_per_worker or (GPU_WORKER_CPUS if use_gpu else CPU_WORKER_CPUS)
+
+
+@dataclass(frozen=True)
+class CompilationSettings:
+    """CUDA graphs: of whole decode steps, and piecewise (all but attention) for mixed steps."""
+
+    enforce_eager: bool = setting(False, "no CUDA graphs")
+    piecewise_cuda_graph: bool = setting(
+        True, "CUDA graphs of everything but attention for steps that mix in prefill chunks")
+    # Larger steps run eagerly: a big prefill is GPU-bound anyway, and each bucket costs
+    # num_layers + 1 graphs of capture time.
+    piecewise_cuda_graph_max_tokens: int = setting(2048, "steps with more tokens than this run "
+                                                         "eagerly")
+
+    def validate(self) -> None:
+        check([(self.piecewise_cuda_graph_max_tokens >= 1,
+                "piecewise_cuda_graph_max_tokens must be >= 1")])
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Which kernels run, and the launch features a user may want off (to compare, or to work
+    around a driver)."""
+
+    attention_backend: str | None = setting(
+        None, "torch (the references) or triton (default: triton on CUDA, torch on CPU)",
+        choices=(None, "torch", "triton"))
+    pdl: bool = setting(True, "programmatic dependent launch of the decode kernels, where the "
+                              "GPU (Hopper and later) has it")
+    gemm_epilogues: bool = setting(True, "fuse RoPE and SwiGLU into the small-batch GEMMs where "
+                                         "the device's tuned table covers them")
+
+    def validate(self) -> None:
+        check_choices(self)
+
+
+SECTIONS: tuple[type, ...] = (ModelSettings, SchedulerSettings, CacheSettings, ParallelSettings,
+                              CompilationSettings, KernelSettings)
+
+
+def _owners() -> dict[str, type]:
+    owners: dict[str, type] = {}
+    for section in SECTIONS:
+        for f in dataclasses.fields(section):
+            assert f.name not in owners, f"setting {f.name} is declared twice"
+            owners[f.name] = section
+    return owners
+
+
+# Every setting's name is unique across sections: the flat names of EngineConfig(**settings),
+# a Serve config's `args:` and the flags.
+SETTING_OWNERS: dict[str, type] = _owners()
