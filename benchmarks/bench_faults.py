@@ -2,7 +2,7 @@
 flight, and one rank SIGKILLed, raising, or hung mid-generation. For each fault: how long until
 the engine noticed, how long until tokens flowed again, and whether every request's tokens equal
 the fault-free run's (no gap, no repeat, no change). CPU runs of the same faults (gloo) are
-tests/test_reliability_faults.py; NCCL differs in that a surviving rank blocks in its collective
+tests/reliability/test_faults.py; NCCL differs in that a surviving rank blocks in its collective
 for good when its peer is gone.
 
     python -m benchmarks.bench_faults                # CPU: gloo -> faults_cpu.json

@@ -131,7 +131,7 @@ def main() -> None:
     import ray
     from transformers import AutoTokenizer
 
-    from tests.checkpoints import checkpoint_dir  # the tiny test checkpoint
+    from tests.support.checkpoints import checkpoint_dir  # the tiny test checkpoint
 
     model_dir = str(checkpoint_dir("llama"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -67,7 +67,7 @@ MODES = ("paged", "contiguous")
 CPU_NUM_KV_BLOCKS = 256
 
 
-# ---- pure parts (tests/test_bench_serving.py) --------------------------------------------------
+# ---- pure parts (tests/benchmarks/test_bench_serving.py) --------------------------------------------------
 
 def trace_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
                    max_total_len: int | None) -> list[BenchRequest]:

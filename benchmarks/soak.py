@@ -13,7 +13,7 @@ cancelled by their clients at random moments and some with deadlines. Nothing ma
     python -m benchmarks.soak --num-requests 200 --model DIR --tp 2
     python -m benchmarks.soak --server HOST:PORT --metrics-url http://HOST:PORT/metrics
 
-Prints a summary and writes benchmarks/results/soak_<name>.json. tests/test_reliability_soak.py
+Prints a summary and writes benchmarks/results/soak_<name>.json. tests/reliability/test_soak.py
 runs a small version of the same code in CI.
 """
 

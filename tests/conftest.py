@@ -4,9 +4,62 @@ import os
 # is imported anywhere.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import sys  # noqa: E402
+import contextlib
+import multiprocessing.process
+import subprocess
+import sys
+from collections.abc import Iterator
+from unittest import mock
 
-import pytest  # noqa: E402
+import pytest
+
+# Markers a run leaves out unless its -m expression names them: `pytest -m "not integration"`
+# (the inner loop) must not pull the slow or GPU suites in by replacing the default expression.
+_OPT_IN_MARKERS = ("slow", "gpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    expression = config.getoption("markexpr") or ""
+    left_out = [m for m in _OPT_IN_MARKERS if m not in expression]
+    kept, deselected = [], []
+    for item in items:
+        (deselected if any(item.get_closest_marker(m) for m in left_out) else kept).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+
+
+@contextlib.contextmanager
+def _refusing_processes_and_servers(nodeid: str) -> Iterator[None]:
+    """A test not marked `integration` may start no Ray, no gRPC server and no process: the
+    inner loop (`-m "not integration"`) stays fast and in one process, and a test that does one
+    of these unmarked fails here, saying so, instead of slowing that loop down."""
+
+    def refuse(what: str):
+        def refused(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(f"{nodeid} {what}: mark it @pytest.mark.integration")
+        return refused
+
+    import grpc
+    import ray
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(ray, "init", refuse("starts Ray")))
+        stack.enter_context(mock.patch.object(grpc, "server", refuse("starts a gRPC server")))
+        stack.enter_context(mock.patch.object(grpc.aio, "server", refuse("starts a gRPC server")))
+        stack.enter_context(mock.patch.object(subprocess.Popen, "__init__", refuse("starts a process")))
+        stack.enter_context(mock.patch.object(multiprocessing.process.BaseProcess, "start",
+                                              refuse("starts a process")))
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if item.get_closest_marker("integration") or item.get_closest_marker("gpu"):
+        yield
+        return
+    with _refusing_processes_and_servers(item.nodeid):
+        yield
 
 _exit_status: int | None = None
 

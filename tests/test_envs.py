@@ -10,15 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from raypaged import envs
 from raypaged.frontend.auth import auth_token_from_env
 from raypaged.kernels import gemv, ops, pdl
 
-PACKAGE = Path(__file__).resolve().parent.parent / "raypaged"
+PACKAGE = Path(__file__).resolve().parents[1] / "raypaged"
 
 
+@pytest.mark.integration
 def test_the_values_come_from_the_environment_at_import():
     code = ("import json, raypaged.envs as e; print(json.dumps([e.RAYPAGED_ATTENTION_BACKEND, "
             "e.RAYPAGED_PDL, e.RAYPAGED_GEMM_EPILOGUES, e.RAYPAGED_AUTH_TOKEN]))")

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.integration
 def test_core_imports_neither_torch_nor_ray():
     code = (
         "import sys, pkgutil, importlib, raypaged.core as c\n"
@@ -15,6 +18,7 @@ def test_core_imports_neither_torch_nor_ray():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.integration
 def test_text_imports_neither_the_frontend_serve_nor_the_engine():
     """raypaged.text serves the frontend, Serve and the offline LLM, so it sits below all three."""
     code = (

@@ -1,0 +1,171 @@
+"""The serving benchmark's pure parts: percentiles, the Poisson schedule, the client-side timing of
+a stream, the per-rate summary, the KV summary and the max-rate choice. (Its figures come from a
+real server; here only that what it computes is right.)"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from benchmarks.bench_serving import (
+    FIRST_ID,
+    fresh_prompts,
+    poisson_offsets,
+    send,
+    trace_requests,
+)
+from benchmarks.serving_report import (
+    Timing,
+    kv_summary,
+    max_rate_meeting,
+    percentile,
+    should_stop,
+    summarize_rate,
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
+def test_percentile_is_numpys_linear_method(size):
+    rng = random.Random(size)
+    values = [rng.lognormvariate(0, 1) for _ in range(size)]
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+    assert math.isnan(percentile([], 50))
+
+
+def test_poisson_offsets_start_at_zero_and_have_exponential_gaps():
+    offsets = poisson_offsets(20000, rate=8.0, seed="s")
+    assert offsets[0] == 0.0
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
+    assert min(gaps) >= 0
+    # Exponential with mean 1/rate: the standard deviation equals the mean (coefficient of
+    # variation 1; evenly spaced sends would give 0).
+    assert statistics.mean(gaps) == pytest.approx(1 / 8, rel=0.03)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, abs=0.03)
+    assert poisson_offsets(50, 8.0, "s") == offsets[:50]  # seeded
+    assert poisson_offsets(50, 8.0, "t") != offsets[:50]
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            poisson_offsets(5, bad, "s")
+
+
+def test_requests_respect_max_total_len_and_prompts_are_fresh_per_rate():
+    requests = trace_requests(200, 1024, vocab_size=3072, seed=0, max_total_len=512)
+    assert len(requests) == 200
+    assert all(len(r.prompt_token_ids) + r.output_len <= 512 for r in requests)
+    unfiltered = trace_requests(200, 1024, vocab_size=3072, seed=0, max_total_len=None)
+    assert max(len(r.prompt_token_ids) + r.output_len for r in unfiltered) > 512
+    first, second = (fresh_prompts(requests, 3072, f"prompts:0:{rate}") for rate in (1.0, 2.0))
+    assert [len(p) for p in first] == [len(r.prompt_token_ids) for r in requests]
+    assert all(FIRST_ID <= t < 3072 for p in first for t in p)
+    # Different ids at each rate, or the prefix cache would serve one rate's prompts from the last.
+    assert sum(a[:16] == b[:16] for a, b in zip(first, second)) == 0
+    assert first == fresh_prompts(requests, 3072, "prompts:0:1.0")
+
+
+def rate_result(rate: float, p99_ttft_s: float, errors: int = 0) -> dict:
+    return {"rate": rate, "errors": errors, "ttft": {"p99_ms": 1e3 * p99_ttft_s}}
+
+
+def test_max_rate_is_the_last_before_the_first_miss():
+    results = [rate_result(4, 0.2), rate_result(8, 0.6), rate_result(16, 1.5), rate_result(32, 0.9)]
+    # 32 passes by luck above a failing 16: not a rate the server sustains.
+    assert max_rate_meeting(results, slo_ttft_s=1.0) == 8
+    assert max_rate_meeting(list(reversed(results)), slo_ttft_s=1.0) == 8  # order of the list
+    assert max_rate_meeting(results, slo_ttft_s=2.0) == 32
+    assert max_rate_meeting(results, slo_ttft_s=0.1) is None
+    assert max_rate_meeting([rate_result(4, 0.2), rate_result(8, 0.2, errors=1)], 1.0) == 4
+    assert max_rate_meeting([rate_result(4, math.nan)], 1.0) is None  # nothing completed
+    assert max_rate_meeting([], 1.0) is None
+
+
+def test_should_stop_past_the_limit_or_on_errors():
+    assert not should_stop(rate_result(8, 9.9), stop_ttft_s=10)
+    assert should_stop(rate_result(8, 10.1), stop_ttft_s=10)
+    assert should_stop(rate_result(8, 0.1, errors=2), stop_ttft_s=10)
+    assert should_stop(rate_result(8, math.nan), stop_ttft_s=10)
+
+
+@dataclass
+class FakeOutput:
+    token_ids: list[int]
+
+
+@dataclass
+class FakeChunk:
+    outputs: list[FakeOutput]
+
+
+class FakeClient:
+    """Streams chunks of the given token counts, each after its delay."""
+
+    def __init__(self, chunks: list[tuple[float, int]]) -> None:
+        self.chunks = chunks
+        self.asked: dict = {}
+
+    async def stream(self, prompt, **params):
+        self.asked = params
+        for delay, count in self.chunks:
+            await asyncio.sleep(delay)
+            yield FakeChunk([FakeOutput(list(range(count)))])
+
+
+def test_send_times_first_token_and_splits_a_chunk_gap_over_its_tokens():
+    client = FakeClient([(0.05, 1), (0.0, 0), (0.06, 3), (0.02, 1)])
+
+    timing = asyncio.run(send(client, [5, 6], output_len=5, due=time.perf_counter()))
+    assert client.asked == {"max_tokens": 5, "ignore_eos": True, "temperature": 0.0}
+    assert timing.error is None and timing.output_tokens == 5
+    assert 0.05 <= timing.ttft_s < 0.5
+    assert len(timing.gaps_s) == 4  # one per token after the first
+    assert timing.gaps_s[0] == timing.gaps_s[1] == timing.gaps_s[2] >= 0.06 / 3
+    assert timing.gaps_s[3] >= 0.02
+    assert timing.e2e_s == pytest.approx(timing.ttft_s + sum(timing.gaps_s), rel=1e-9)
+
+    short = asyncio.run(send(FakeClient([(0.0, 2)]), [5], output_len=3, due=time.perf_counter()))
+    assert short.error == "2 tokens streamed for max_tokens 3"
+
+
+def test_summary_counts_only_completed_requests():
+    timings = [Timing(late_s=0.001, ttft_s=0.1, e2e_s=1.1, gaps_s=[0.1] * 10, output_tokens=11),
+               Timing(late_s=0.002, ttft_s=0.3, e2e_s=2.3, gaps_s=[0.2] * 10, output_tokens=11),
+               Timing(late_s=0.0, error="UNAVAILABLE: gone")]
+    result = summarize_rate(2.0, timings, wall_s=4.0)
+    assert (result["requests"], result["completed"], result["errors"]) == (3, 2, 1)
+    assert result["error_examples"] == ["UNAVAILABLE: gone"]
+    assert result["request_throughput"] == 0.5
+    assert result["output_tokens_per_s"] == 22 / 4.0
+    assert result["ttft"]["p50_ms"] == pytest.approx(200)
+    assert result["itl"]["p50_ms"] == pytest.approx(150)
+    assert result["tpot"]["mean_ms"] == pytest.approx(150)  # (e2e - ttft) / (tokens - 1)
+    assert result["normalized_latency"]["mean_ms"] == pytest.approx(1e3 * (1.1 + 2.3) / 2 / 11)
+    assert result["e2e"]["p99_ms"] == pytest.approx(1e3 * (1.1 + 0.99 * 1.2))
+
+
+def kv_sample(running: int, allocated: int, filled: int, usage: float, waiting: int = 0) -> dict:
+    return {"seconds": 0.0, "num_requests_running": running, "num_requests_waiting": waiting,
+            "kv_cache_usage_perc": usage, "kv_cache_blocks": 100, "kv_cache_allocated_slots": allocated,
+            "kv_cache_filled_slots": filled, "kv_cache_unfilled_slots": allocated - filled,
+            "kv_cache_shared_saved_slots": 0}
+
+
+def test_kv_summary_averages_the_busy_samples():
+    samples = [kv_sample(0, 0, 0, 0.0),  # idle: left out
+               kv_sample(2, 320, 300, 0.2), kv_sample(4, 640, 600, 0.4, waiting=3)]
+    summary = kv_summary(samples, block_size=16)
+    assert (summary["samples"], summary["busy_samples"]) == (3, 2)
+    assert summary["mean_pool_usage"] == pytest.approx(0.3)
+    assert summary["kv_utilization"] == pytest.approx(900 / 960)
+    assert summary["pool_token_states"] == pytest.approx(900 / 3200)
+    assert summary["waste_share_of_pool"] == pytest.approx(60 / 3200)
+    assert summary["unfilled_slots_per_running_request"] == pytest.approx(60 / 6)
+    assert (summary["mean_running"], summary["peak_running"], summary["peak_waiting"]) == (3, 4, 3)
+    assert kv_summary([kv_sample(0, 0, 0, 0.0)], 16) == {"samples": 1, "busy_samples": 0}

@@ -1,0 +1,107 @@
+"""The central engine actor and its async client: concurrent streams, abort, batched outputs,
+TP workers under the actor, and a dead engine answered at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from raypaged.config import EngineConfig
+from raypaged.core.errors import InvalidRequestError
+from raypaged.core.request import Request
+from raypaged.core.sampling_params import SamplingParams
+from raypaged.engine.client import AsyncEngineClient, EngineDeadError
+from tests.support.checkpoints import checkpoint_dir
+from tests.support.hf_oracle import hf_greedy, random_prompts, vocab_of
+from tests.support.ray_state import live_actors, live_placement_groups
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+async def collect(client: AsyncEngineClient, request: Request) -> list[int]:
+    tokens = []
+    async for out in client.generate(request):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+async def pool_whole(client: AsyncEngineClient, timeout_s: float = 10.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        stats = (await client.actor.stats.remote())["scheduler"]
+        if stats.kv_cache.num_free_blocks == stats.kv_cache.num_blocks:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_concurrent_streams_abort_and_shutdown(tp):
+    name = "llama"
+    prompts = random_prompts([4, 15, 27], vocab_of(name), seed=21)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def scenario():
+        client = await AsyncEngineClient.start(EngineConfig(model=str(checkpoint_dir(name)),
+                                                            tensor_parallel_size=tp))
+        try:
+            assert client.model_info["tensor_parallel_size"] == tp
+            # A long request, cancelled by its consumer after two outputs, beside three others.
+            long_request = Request("long", prompts[2], SamplingParams(temperature=0.0, max_tokens=200,
+                                                                      ignore_eos=True))
+            async def cancel_early():
+                seen = 0
+                async for _ in client.generate(long_request):
+                    seen += 1
+                    if seen == 2:
+                        break
+                return seen
+            results = await asyncio.gather(
+                cancel_early(),
+                *(collect(client, Request(f"r{i}", p, params)) for i, p in enumerate(prompts)))
+            assert results[0] == 2
+            for prompt, tokens in zip(prompts, results[1:]):
+                assert tokens == hf_greedy(checkpoint_dir(name), tuple(prompt), 12)
+            assert await pool_whole(client)
+            # Bad input is refused with the engine's own error and harms nothing.
+            with pytest.raises(InvalidRequestError):
+                await collect(client, Request("bad", [], params))
+            with pytest.raises(InvalidRequestError):
+                await collect(client, Request("huge", [5] * 10_000, params))
+            assert await collect(client, Request("after", prompts[0], params)) == \
+                hf_greedy(checkpoint_dir(name), tuple(prompts[0]), 12)
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+    assert not {"EngineActor", "RayWorkerActor"} & set(live_actors())
+    assert live_placement_groups() == []
+
+
+def test_dead_engine_is_reported_at_once():
+    async def scenario():
+        client = await AsyncEngineClient.start(EngineConfig(model=str(checkpoint_dir("llama"))))
+        request = Request("doomed", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=10_000,
+                                                              ignore_eos=True))
+        stream = client.generate(request)
+        await stream.__anext__()
+        ray.kill(client.actor, no_restart=True)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(client, Request("later", [5], SamplingParams(max_tokens=2)))
+        assert not client.is_alive
+        await client.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))

@@ -1,0 +1,1 @@
+"""What the tests share: tiny checkpoints, the transformers oracle, fakes and harnesses."""
