@@ -15,7 +15,8 @@ least-recently-freed first (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from raypaged.core.errors import NoFreeBlocksError
 

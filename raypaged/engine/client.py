@@ -59,7 +59,7 @@ class AsyncEngineClient:
         self._pump_task: asyncio.Task | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> "AsyncEngineClient":
+    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
         """Create the engine actor (it takes a GPU itself only when it runs the model in
         process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready."""
         gpus = ray.cluster_resources().get("GPU", 0)

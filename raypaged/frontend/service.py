@@ -17,7 +17,7 @@ from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRe
 from raypaged.core.sample_ids import sample_id
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
-from raypaged.frontend.metrics import FrontendMetrics, RequestTracker
+from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.validation import ModelLimits, RequestLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.text.output_processor import RequestOutputProcessor

@@ -30,7 +30,7 @@ def _key(dtype: str, out_features: int, in_features: int, rows: int) -> tuple:
     return dtype, out_features, in_features, rows
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(path: Path) -> dict[tuple, dict]:
     if not path.exists():
         return {}

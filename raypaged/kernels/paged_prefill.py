@@ -296,7 +296,7 @@ def _new_kv_usable(k_new, v_new, k_cache, q) -> bool:
             and k_new.stride(2) == 1)
 
 
-def _descriptor(t: torch.Tensor, block_n: int) -> "TensorDescriptor | None":
+def _descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor | None:
     """[T, Hkv, D] as a 2-D [T, Hkv*D] TMA descriptor of [block_n, D] boxes, or None if the
     layout cannot be described (TMA needs 16-byte aligned base and row stride)."""
     tokens, heads, dim = t.shape

@@ -22,9 +22,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 from prometheus_client import generate_latest
 from ray import serve
+from starlette.exceptions import HTTPException
 
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.malformed import refuse_undecodable

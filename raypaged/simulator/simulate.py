@@ -19,8 +19,8 @@ of the pool. Averages are over time (ratio of sums over steps), over all steps a
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.kv_cache_manager import KVCacheManager
