@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from tqdm import tqdm
 
@@ -38,7 +37,7 @@ class RequestsFailedError(RaypagedError):
 
 
 # A prompt is text, or token ids as {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
-Prompt = Union[str, dict]
+Prompt = str | dict
 
 
 class LLM:

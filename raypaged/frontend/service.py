@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 class GenerationService:
     def __init__(self, engine: AsyncEngineClient, tokenizer: Any, *, model_name: str | None = None,
-                 limits: RequestLimits = RequestLimits(), metrics: FrontendMetrics | None = None) -> None:
+                 limits: RequestLimits = RequestLimits(),  # noqa: B008 (frozen: one shared instance is safe)
+                 metrics: FrontendMetrics | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         info = engine.model_info

@@ -82,7 +82,9 @@ class SimResult:
 
     def kv_utilization(self, saturated: bool = False) -> float:
         """Filled / allocated slots: of the memory handed out, the share holding token states."""
-        allocated = lambda s: s.slots["token_states"] + s.slots["reserved"] + s.slots["never_used"]
+        def allocated(s: StepSample) -> float:
+            return s.slots["token_states"] + s.slots["reserved"] + s.slots["never_used"]
+
         return self._ratio(lambda s: s.slots["token_states"], allocated, saturated)
 
     def pool_share(self, category: str, saturated: bool = False) -> float:
@@ -90,7 +92,9 @@ class SimResult:
         return self._ratio(lambda s: s.slots[category], lambda s: self.pool_slots, saturated)
 
     def internal_fragmentation(self, saturated: bool = False) -> float:
-        unfilled = lambda s: s.slots["reserved"] + s.slots["never_used"]
+        def unfilled(s: StepSample) -> float:
+            return s.slots["reserved"] + s.slots["never_used"]
+
         return self._ratio(unfilled, lambda s: self.pool_slots, saturated)
 
     @property
