@@ -354,7 +354,7 @@ def paged_prefill_triton(
     source = config["new_kv"] if _new_kv_usable(k_new, v_new, k_cache, q) else "cache"
     block_m, block_n = config["block_m"], config["block_n"]
     k_desc = v_desc = None
-    if source == "tma":
+    if source == "tma" and k_new is not None and v_new is not None:  # given: _new_kv_usable
         k_desc, v_desc = _descriptor(k_new, block_n), _descriptor(v_new, block_n)
         if k_desc is None or v_desc is None:
             source = "ptr"
