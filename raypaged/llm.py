@@ -138,7 +138,7 @@ class LLM:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + list(out.new_logprobs)
-        if out.finished:
+        if out.finish_reason is not None:  # finished
             sample.finish_reason = out.finish_reason.value
             sample.stop_reason = out.stop_reason
             sample.error = out.error

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
@@ -46,7 +46,7 @@ class GenerationService:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, message: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
         if not self.accepting:
             raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.engine.is_alive:

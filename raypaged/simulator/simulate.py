@@ -161,7 +161,7 @@ def simulate(trace: Trace, allocator: str, config: SimConfig = SimConfig(),
     requests: dict[str, Request] = {}
     not_yet_scheduled: collections.deque[Request] = collections.deque()  # in arrival order
     scheduled_once: set[str] = set()
-    generated = collections.Counter()
+    generated: collections.Counter[str] = collections.Counter()
     shared_saved_sum = 0
     # A livelock guard far above any real drain time: every token is computed at least once per
     # step, so steps <= tokens x (1 + preemptions); allow generous slack for idle arrival gaps.
