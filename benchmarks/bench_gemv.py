@@ -182,7 +182,8 @@ def main() -> int:
             timed = [r for r in runs if "seconds" in r]
             if timed:
                 best[rows] = min(timed, key=lambda r: r["seconds"])["config"]
-                log(f"{name} rows {rows}: best {best[rows]} {case.bytes / min(r['seconds'] for r in timed) / 1e12:.2f} TB/s")
+                tb_per_s = case.bytes / min(r['seconds'] for r in timed) / 1e12
+                log(f"{name} rows {rows}: best {best[rows]} {tb_per_s:.2f} TB/s")
             if args.table is not None and (entry := table_entry(name, case, runs)) is not None:
                 # Recorded at once, so that the timing below ("default") launches what it chose.
                 gemv_table.record(args.table, torch.cuda.get_device_name(), result["env"], [entry])

@@ -69,8 +69,9 @@ def main() -> int:
         step, answer = decode_step(batch)
         worker = ray.remote(EchoWorker).options(num_cpus=0.5, num_gpus=1 if args.gpu else 0).remote(answer)
         row = {"batch": batch,
-               "plain_actor_call": round_trips_us(lambda worker=worker, step=step: ray.get(worker.execute_model.remote(step)),
-                                                  max(100, args.iterations // 10))}
+               "plain_actor_call": round_trips_us(
+                   lambda worker=worker, step=step: ray.get(worker.execute_model.remote(step)),
+                   max(100, args.iterations // 10))}
         with InputNode() as inp:
             dag = MultiOutputNode([worker.execute_model.bind(inp)])
         compiled = dag.experimental_compile()

@@ -1,6 +1,7 @@
 """A decode step's integer inputs, host → GPU: one pageable copy per array (`.to(device,
 non_blocking=True)` from numpy, what the ModelRunner does) against packing them into pinned
-buffers sent with one copy per dtype (DeviceStaging below). Host time per step, the GPU idle at the start of each as between steps.
+buffers sent with one copy per dtype (DeviceStaging below). Host time per step, the GPU idle at
+the start of each as between steps.
 
     python -m benchmarks.bench_staging        # needs CUDA; scripts/gpu.sh staging
 

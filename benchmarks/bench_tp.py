@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                     if device.type != "cuda" or "greedy" in run:
                         break
             compare(result)
-            path = write_json(f"tp_{args.shape}_{device_tag()}" + ("" if args.dtype is None else f"_{args.dtype}"), result, args.out)
+            name = f"tp_{args.shape}_{device_tag()}" + ("" if args.dtype is None else f"_{args.dtype}")
+            path = write_json(name, result, args.out)
     report(result)
     save_plot(result, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name}")

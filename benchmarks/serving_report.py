@@ -173,7 +173,8 @@ def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
                   f"| {r['ttft']['p50_ms']:,.0f} / {r['ttft']['p99_ms']:,.0f} ms "
                   f"| {r['itl']['p50_ms']:.1f} / {r['itl']['p99_ms']:.1f} ms "
                   f"| {r['e2e']['p50_ms'] / 1e3:.1f} / {r['e2e']['p99_ms'] / 1e3:.1f} s "
-                  f"| {r['normalized_latency']['mean_ms']:.0f} ms | {kv.get('mean_running', 0):.1f} | {kv.get('mean_pool_usage', 0):.0%} "
+                  f"| {r['normalized_latency']['mean_ms']:.0f} ms | {kv.get('mean_running', 0):.1f} "
+                  f"| {kv.get('mean_pool_usage', 0):.0%} "
                   f"| {kv.get('kv_utilization', 0):.1%} |")
     for mode in modes:
         mode_record = record.get(mode, {})

@@ -1,7 +1,8 @@
 """The environment variables raypaged reads, each read once: when this module is first imported.
 
 Nothing else in raypaged reads the environment for its own settings, and nothing reads it per
-call. A Ray worker reads its own process's environment when it starts. Tests change a value by patching the attribute here.
+call. A Ray worker reads its own process's environment when it starts. Tests change a value by
+patching the attribute here.
 
 Settings a user may want to change belong in EngineConfig (a field and a flag); the variables
 here are overrides for what a flag cannot reach (a test run, a secret).

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 from tqdm import tqdm
 
@@ -37,7 +37,7 @@ class RequestsFailedError(RaypagedError):
 
 
 # A prompt is text, or token ids as {"prompt_token_ids": [...]} (vLLM's TokensPrompt).
-Prompt = Union[str, dict]
+Prompt = str | dict
 
 
 class LLM:
@@ -138,7 +138,7 @@ class LLM:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + list(out.new_logprobs)
-        if out.finished:
+        if out.finish_reason is not None:  # finished
             sample.finish_reason = out.finish_reason.value
             sample.stop_reason = out.stop_reason
             sample.error = out.error

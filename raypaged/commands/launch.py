@@ -107,7 +107,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda s=sig: _on_signal(server, s, logger))
+            loop.add_signal_handler(sig, _on_signal, server, sig, logger)
         metrics = (f", metrics on http://{args.host}:{server.metrics_port}/metrics"
                    if server.metrics_port else "")
         # One line that scripts wait for: the address is real and the server is SERVING.

@@ -128,8 +128,9 @@ class ParallelSettings:
     ray_address: str | None = setting(
         None, "Ray cluster to join: auto, or HOST:PORT (default: start a local Ray, or use the one "
               "this process joined)", flags=("--ray-address", "--address"))
-    ray_cpus_per_worker: float | None = setting(None, f"CPUs each Ray worker reserves (default: {GPU_WORKER_CPUS:g} per GPU "
-                                                      f"worker, {CPU_WORKER_CPUS:g} per CPU worker)")
+    ray_cpus_per_worker: float | None = setting(
+        None, f"CPUs each Ray worker reserves (default: {GPU_WORKER_CPUS:g} per GPU worker, "
+              f"{CPU_WORKER_CPUS:g} per CPU worker)")
     use_compiled_graph: bool = setting(True, "broadcast each step through a Ray Compiled Graph "
                                              "(a tenth of a plain actor call's cost)")
     step_timeout_s: float = setting(60.0, "a step slower than this means a hung worker group")

@@ -15,7 +15,8 @@ least-recently-freed first (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, NamedTuple
+from collections.abc import Hashable, Iterable
+from typing import NamedTuple
 
 from raypaged.core.errors import NoFreeBlocksError
 
@@ -36,7 +37,7 @@ class BlockHash(NamedTuple):
 
     hash_value: int
     token_ids: tuple[int, ...]
-    extra_keys: tuple | None
+    extra_keys: tuple[Hashable, ...] | None
 
     def __hash__(self) -> int:
         # The chained hash already mixes everything: re-hashing the token tuple on every dict
@@ -48,7 +49,7 @@ _new_tuple = tuple.__new__
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...],
-                      extra_keys: tuple | None = None) -> BlockHash:
+                      extra_keys: tuple[Hashable, ...] | None = None) -> BlockHash:
     parent_value = _ROOT_HASH if parent is None else parent.hash_value
     # tuple.__new__ directly: BlockHash(...) would run NamedTuple's Python-level __new__ (a block
     # fills, and is hashed, somewhere every step).

@@ -56,7 +56,7 @@ class _RequestBlocks:
     shared_tail: bool = False
     # Hashed into every block with its tokens. The salt goes into every block, not only the
     # first: tenants stay apart even if two prefixes' chained hashes ever collided.
-    extra_keys: tuple | None = field(init=False)
+    extra_keys: tuple[str, ...] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.extra_keys = (self.request.cache_salt,) if self.request.cache_salt else None

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from raypaged.core.sampling_params import SamplingParams
 
-
 # Asynchronous scheduling: the scheduler plans step N+1 before step N's sampled tokens are back.
 # A request that step N samples for gets this id appended in their place; step N+1 sends it as
 # the request's next input, and the worker substitutes the token it sampled (kept on the device).

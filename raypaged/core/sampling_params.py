@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raypaged.core.errors import InvalidRequestError
 from raypaged.core.text_check import lone_surrogate
@@ -70,7 +70,7 @@ class SamplingParams:
         if any(v != v for v in (self.temperature, self.top_p, self.min_p)):  # NaN
             raise InvalidRequestError("sampling parameters must not be NaN")
 
-    def for_sample(self, index: int) -> "SamplingParams":
+    def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of an n > 1 request after it forks: one sample each,
         and a seed of its own so seeded samples differ yet stay reproducible."""
         seed = None if self.seed is None else self.seed * 1_000_003 + index

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from raypaged.config import EngineConfig
 from raypaged.core.errors import EngineDeadError
@@ -33,7 +34,7 @@ class EngineActor:
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def model_info(self) -> dict:
+    def model_info(self) -> dict[str, Any]:
         core = self.core
         return {
             "model_dir": core.model_dir,
@@ -69,7 +70,7 @@ class EngineActor:
             outputs, self._outputs = self._outputs, EngineCoreOutputs()
         return outputs
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         scheduler = self.core.scheduler
         with self.core._lock:
             return {"scheduler": scheduler.stats(), "num_running": scheduler.num_running,

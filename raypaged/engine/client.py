@@ -13,8 +13,9 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import ray
 
@@ -31,24 +32,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue
+    queue: asyncio.Queue[EngineCoreOutput | BaseException]
     progress: GroupProgress  # the engine's view: which samples have had their finishing record
     group_id: str  # the id the caller knows
     engine_id: str  # the id the engine knows (see generate)
-    added: ray.ObjectRef | None = None  # the add_request call, once sent
+    added: ray.ObjectRef[None] | None = None  # the add_request call, once sent
 
 
 def _unwrap(error: BaseException) -> BaseException:
     """The engine's own exception (InvalidRequestError, QueueFullError, …) out of Ray's wrapper."""
     if isinstance(error, ray.exceptions.RayTaskError):
-        cause = error.as_instanceof_cause()
+        cause = error.as_instanceof_cause()  # type: ignore[no-untyped-call]  # unannotated in Ray
         inner = getattr(error, "cause", None)
         return inner if isinstance(inner, BaseException) else cause
     return error
 
 
 class AsyncEngineClient:
-    def __init__(self, actor: ray.actor.ActorHandle, model_info: dict) -> None:
+    def __init__(self, actor: ray.actor.ActorHandle[EngineActor], model_info: dict[str, Any]) -> None:
         self.actor = actor
         self.model_info = model_info
         self._streams: dict[str, _Stream] = {}  # by engine id
@@ -56,20 +57,21 @@ class AsyncEngineClient:
         self._next_engine_seq = itertools.count()
         self._dead: str | None = None
         self._gone = asyncio.Event()  # set with _dead
-        self._pump_task: asyncio.Task | None = None
+        self._pump_task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> "AsyncEngineClient":
+    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
         """Create the engine actor (it takes a GPU itself only when it runs the model in
         process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready."""
-        gpus = ray.cluster_resources().get("GPU", 0)
+        gpus: float = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]  # unannotated in Ray
         in_process_gpu = (not config.parallel.uses_ray_workers and config.model_settings.device != "cpu"
                           and gpus >= 1)
-        options = dict(max_concurrency=32, num_cpus=0 if not in_process_gpu else 1,
+        options: dict[str, Any] = dict(max_concurrency=32, num_cpus=0 if not in_process_gpu else 1,
                        num_gpus=1 if in_process_gpu else 0)
         if actor_name:
             options.update(name=actor_name, get_if_exists=False)
-        actor = ray.remote(EngineActor).options(**options).remote(config)
+        # Ray types what .remote() makes as ActorProxy, a handle or the class itself.
+        actor = cast("ray.actor.ActorHandle[EngineActor]", ray.remote(EngineActor).options(**options).remote(config))
         try:
             info = await actor.model_info.remote()
         except ray.exceptions.RayError as e:
@@ -82,7 +84,7 @@ class AsyncEngineClient:
     def start_pump(self) -> None:
         self._pump_task = asyncio.get_running_loop().create_task(self._pump())
 
-    async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: Request) -> AsyncGenerator[EngineCoreOutput, None]:
         """Yields the request's outputs as steps produce them; aborts it in the engine if the
         caller stops iterating early (a cancelled RPC, a stop string, a deadline)."""
         if self._dead is not None:
@@ -127,7 +129,7 @@ class AsyncEngineClient:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._abort_once_added(added, engine_id))
 
-    async def _abort_once_added(self, added: ray.ObjectRef, engine_id: str) -> None:
+    async def _abort_once_added(self, added: ray.ObjectRef[None], engine_id: str) -> None:
         # The actor is threaded: an abort sent while the add is still on its way could run first,
         # find nothing, and leave the request running for no one. Wait for the add (a refused
         # one leaves nothing to abort).

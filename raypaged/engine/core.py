@@ -193,6 +193,8 @@ class EngineCore:
                     assert isinstance(self.scheduler, AsyncScheduler)
                     update = self.scheduler.take_pending_outputs()
                 else:
+                    # A step in flight was answered, so the workers sent its output back.
+                    assert model_output is not None
                     update = self.scheduler.update_from_output(answered, model_output)
             if outputs:
                 outputs.extend(update)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -20,6 +20,12 @@ from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.executor.base import Executor, WorkerCall, call_on_worker
 from raypaged.executor.errors import WorkerGroupError
+
+if TYPE_CHECKING:
+    from ray.dag.compiled_dag_node import CompiledDAG
+    from ray.util.placement_group import PlacementGroup
+
+    from raypaged.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -53,24 +59,25 @@ class RayWorkerActor:
 
     def __init__(self, config: EngineConfig, model_dir: str, rank: int, world_size: int) -> None:
         self.args = (config, model_dir, rank, world_size)
-        self.worker = None
+        self.worker: Worker | None = None
 
     def address_for_rendezvous(self) -> tuple[str, int]:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), port  # type: ignore[no-untyped-call]  # unannotated in Ray
 
     def init_worker(self, init_method: str) -> None:
         from raypaged.worker.worker import Worker
 
         config, model_dir, rank, world_size = self.args
-        self.worker = Worker(config, model_dir, rank=rank, world_size=world_size,
-                             distributed_init_method=init_method, local_rank=0)
-        self.worker.init_device()
-        self.worker.load_model()
+        self.worker = worker = Worker(config, model_dir, rank=rank, world_size=world_size,
+                                      distributed_init_method=init_method, local_rank=0)
+        worker.init_device()
+        worker.load_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.worker is not None  # init_worker ran
         return self.worker.execute_model(scheduler_output)
 
     def pid(self) -> int:
@@ -93,9 +100,9 @@ class RayExecutor(Executor):
                      log_to_driver=False, ignore_reinit_error=True)
         self.use_gpu = self._use_gpu()
         self.workers: list[Any] = []
-        self.placement_group = None
+        self.placement_group: PlacementGroup | None = None
         self._owns_placement_group = False
-        self.compiled_dag = None
+        self.compiled_dag: CompiledDAG | None = None
         self._failed = False  # set once a call to the group failed: shutdown then kills first
         try:
             self._start_workers()
@@ -109,7 +116,7 @@ class RayExecutor(Executor):
     def _use_gpu(self) -> bool:
         if self.config.model_settings.device == "cpu":
             return False
-        gpus = ray.cluster_resources().get("GPU", 0)
+        gpus: float = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]  # unannotated in Ray
         if self.config.model_settings.device == "cuda" and gpus < self.world_size:
             raise RuntimeError(f"tensor_parallel_size {self.world_size} needs {self.world_size} GPUs; "
                                f"the Ray cluster has {gpus:g}")
@@ -119,6 +126,8 @@ class RayExecutor(Executor):
         cpus = self.config.parallel.cpus_per_worker(self.use_gpu)
         bundle = {"CPU": cpus, "GPU": 1} if self.use_gpu else {"CPU": cpus}
         first_bundle = self._place_workers(bundle)
+        group = self.placement_group
+        assert group is not None  # _place_workers set it
         actor_class = ray.remote(RayWorkerActor)
         config = self.config
         if not self.use_gpu and config.model_settings.device == "auto":
@@ -128,7 +137,7 @@ class RayExecutor(Executor):
             actor_class.options(
                 num_cpus=cpus, num_gpus=1 if self.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=first_bundle + rank),
+                    group, placement_group_bundle_index=first_bundle + rank),
             ).remote(config, self.model_dir, rank, self.world_size)
             for rank in range(self.world_size)
         ]
@@ -163,12 +172,13 @@ class RayExecutor(Executor):
         self.placement_group = current
         return first
 
-    def _compile(self):
+    def _compile(self) -> CompiledDAG:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as scheduler_output:
             dag = MultiOutputNode([w.execute_model.bind(scheduler_output) for w in self.workers])
-        return dag.experimental_compile()
+        compiled: CompiledDAG = dag.experimental_compile()
+        return compiled
 
     def _wait_all(self, refs: list[Any], what: str) -> list[Any]:
         try:
@@ -179,12 +189,14 @@ class RayExecutor(Executor):
 
     # ---- the executor interface --------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return min(self.collective_rpc("determine_num_blocks", (max_model_len, max_num_batched_tokens)))
+        per_rank: list[int] = self.collective_rpc("determine_num_blocks", (max_model_len, max_num_batched_tokens))
+        return min(per_rank)
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks, max_model_len))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        results: list[ModelRunnerOutput]
         try:
             if self.compiled_dag is not None:
                 refs = self.compiled_dag.execute(scheduler_output)

@@ -11,8 +11,14 @@ import logging
 
 import grpc
 
-from raypaged.core.errors import (EngineDeadError, InvalidRequestError, QueueFullError, RaypagedError,
-                                  RequestFailedError, UnknownRequestError)
+from raypaged.core.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RaypagedError,
+    RequestFailedError,
+    UnknownRequestError,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, … up to max_value (vLLM's token-count buckets)."""
-    buckets, scale = [], 1
+    buckets: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_value:
@@ -140,7 +141,7 @@ class FrontendMetrics:
 
         self._last_engine_totals: dict[str, int] = {}
 
-    def record_engine_stats(self, stats: "SchedulerStats") -> None:
+    def record_engine_stats(self, stats: SchedulerStats) -> None:
         kv = stats.kv_cache
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
@@ -166,7 +167,7 @@ class FrontendMetrics:
     def record_error(self, code_name: str) -> None:
         self.request_errors.labels(*self._values, code_name).inc()
 
-    def track(self, num_prompt_tokens: int, n: int, max_tokens: int) -> "RequestTracker":
+    def track(self, num_prompt_tokens: int, n: int, max_tokens: int) -> RequestTracker:
         self.request_params_n.observe(n)
         self.request_params_max_tokens.observe(max_tokens)
         return RequestTracker(self, num_prompt_tokens)

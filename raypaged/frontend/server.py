@@ -56,9 +56,12 @@ class ServerConfig:
 
 
 class FrontendServer:
-    def __init__(self, engine: AsyncEngineClient, tokenizer: Any, config: ServerConfig = ServerConfig(),
+    def __init__(self, engine: AsyncEngineClient, tokenizer: Any, config: ServerConfig | None = None,
                  owns_engine: bool = False, engine_factory: EngineFactory | None = None) -> None:
-        """engine_factory: how to start a new engine when this one dies (None: stay NOT_SERVING)."""
+        """config: None for the defaults (a ServerConfig of this server's own: it is mutable).
+        engine_factory: how to start a new engine when this one dies (None: stay NOT_SERVING)."""
+        if config is None:
+            config = ServerConfig()
         self.engine = engine
         self.config = config
         self.owns_engine = owns_engine

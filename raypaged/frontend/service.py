@@ -10,14 +10,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from raypaged.core.sample_ids import sample_id
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
-from raypaged.frontend.metrics import FrontendMetrics, RequestTracker
+from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.validation import ModelLimits, RequestLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.text.output_processor import RequestOutputProcessor
@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 class GenerationService:
     def __init__(self, engine: AsyncEngineClient, tokenizer: Any, *, model_name: str | None = None,
-                 limits: RequestLimits = RequestLimits(), metrics: FrontendMetrics | None = None) -> None:
+                 limits: RequestLimits = RequestLimits(),  # noqa: B008 (frozen: one shared instance is safe)
+                 metrics: FrontendMetrics | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         info = engine.model_info
@@ -45,7 +46,7 @@ class GenerationService:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, message: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
         if not self.accepting:
             raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.engine.is_alive:

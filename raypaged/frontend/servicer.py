@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 
@@ -38,7 +39,8 @@ class RaypagedServicer(pb_grpc.RaypagedServiceServicer):
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return self.service.model_info()
 
-    async def _abort(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
+    # context.abort always raises (grpc's NoReturn), which mypy cannot see: grpc ships no types.
+    async def _abort(self, context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:  # type: ignore[misc]
         code, message = status_for(error)
         if self.service.metrics is not None:
             self.service.metrics.record_error(code.name)

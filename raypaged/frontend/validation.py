@@ -42,7 +42,7 @@ class ModelLimits:
     vocab_size: int
 
     @classmethod
-    def from_model_info(cls, info: dict) -> "ModelLimits":
+    def from_model_info(cls, info: dict) -> ModelLimits:
         return cls(max_model_len=int(info["max_model_len"]), vocab_size=int(info["vocab_size"]))
 
 

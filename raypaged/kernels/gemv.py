@@ -235,7 +235,7 @@ def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, name: str
     return {**entry["config"], "block_n": block_n} if block_n >= 16 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _arrivals(device: torch.device) -> torch.Tensor:
     """The split-K arrival counters of `device`: allocated once and kept, since captured CUDA
     graphs hold their address."""

@@ -17,6 +17,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -30,7 +31,7 @@ def _key(dtype: str, out_features: int, in_features: int, rows: int) -> tuple:
     return dtype, out_features, in_features, rows
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(path: Path) -> dict[tuple, dict]:
     if not path.exists():
         return {}
@@ -47,7 +48,8 @@ def lookup(device_name: str, dtype: str, out_features: int, in_features: int, ro
 
 def record(path: Path, device_name: str, env: dict, entries: list[dict]) -> None:
     """Add `entries` to the table at `path` (replacing those of the same key) and write it."""
-    table = json.loads(path.read_text()) if path.exists() else {"device": device_name, "entries": []}
+    table: dict[str, Any] = (json.loads(path.read_text()) if path.exists()
+                             else {"device": device_name, "entries": []})
     if table["device"] != device_name:
         raise ValueError(f"{path} is the table of {table['device']}, not {device_name}")
     merged = {_key(e["dtype"], e["out"], e["in"], e["rows"]): e for e in table["entries"] + entries}

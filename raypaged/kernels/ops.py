@@ -93,7 +93,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
 
 def _skinny_gemm_may_take(x: torch.Tensor) -> bool:
     # fp32 on a GPU stays with cuBLAS: an 8B fp32 decode step through the kernel took 61 ms where
-    # reading its 32 GB of weights takes ~8 (an IEEE fp32 tl.dot has no tensor-core path). The interpreter takes fp32, so the CPU tests still run the kernel in the model.
+    # reading its 32 GB of weights takes ~8 (an IEEE fp32 tl.dot has no tensor-core path). The
+    # interpreter takes fp32, so the CPU tests still run the kernel in the model.
     return backend_for(x) == "triton" and not (x.is_cuda and x.dtype == torch.float32)
 
 

@@ -21,6 +21,7 @@ from .pdl import pdl_launch, wait_for_inputs
 from .triton_common import LOG2_E, dot, dot_mode, num_sms
 from .validation import check_decode_inputs, output_for
 
+
 # The block table's row stride is the widest table of the step: left unspecialised, so a width
 # that happens to be 1 or a multiple of 16 does not compile another variant mid-serving.
 @triton.jit(do_not_specialize=["stride_table_seq"])

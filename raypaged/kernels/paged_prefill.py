@@ -296,7 +296,7 @@ def _new_kv_usable(k_new, v_new, k_cache, q) -> bool:
             and k_new.stride(2) == 1)
 
 
-def _descriptor(t: torch.Tensor, block_n: int) -> "TensorDescriptor | None":
+def _descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor | None:
     """[T, Hkv, D] as a 2-D [T, Hkv*D] TMA descriptor of [block_n, D] boxes, or None if the
     layout cannot be described (TMA needs 16-byte aligned base and row stride)."""
     tokens, heads, dim = t.shape
@@ -354,7 +354,7 @@ def paged_prefill_triton(
     source = config["new_kv"] if _new_kv_usable(k_new, v_new, k_cache, q) else "cache"
     block_m, block_n = config["block_m"], config["block_n"]
     k_desc = v_desc = None
-    if source == "tma":
+    if source == "tma" and k_new is not None and v_new is not None:  # given: _new_kv_usable
         k_desc, v_desc = _descriptor(k_new, block_n), _descriptor(v_new, block_n)
         if k_desc is None or v_desc is None:
             source = "ptr"

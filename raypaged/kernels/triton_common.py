@@ -36,7 +36,7 @@ def dot(a, b, MODE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _properties(device_index: int):
     return torch.cuda.get_device_properties(device_index)
 

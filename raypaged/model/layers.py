@@ -10,7 +10,7 @@ At tp = 1 every layer is a plain nn.Linear / nn.Embedding and the collectives ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,14 @@ class TensorSource(Protocol):
     shape: tuple[int, ...]
 
     def read(self, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor: ...
+
+
+class LoadsWeights(Protocol):
+    """A module that fills its own parameters (this TP rank's part) from checkpoint tensors."""
+
+    def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]: ...
+
+    def load_weight(self, param: str, shard: object, source: TensorSource) -> None: ...
 
 
 class WeightShapeError(ValueError):
@@ -111,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
     def _shard(self, shard: object) -> OutputShard:
-        return self.shards[0 if shard is None else shard]  # type: ignore[index]
+        return self.shards[0 if shard is None else cast(int, shard)]  # this class's shard ids: indices
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:
         rows = self._shard(shard).full_rows
@@ -179,7 +187,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
     def _shard(self, shard: object) -> OutputShard:
-        return self.shards[self.SHARD_NAMES.index(shard)]  # type: ignore[arg-type]
+        return self.shards[self.SHARD_NAMES.index(shard)]
 
     def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x's product with q and k rotated by rope (the step's cos/sin [T, D/2]) as the skinny

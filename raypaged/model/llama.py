@@ -11,6 +11,7 @@ shard of a merged weight) that loads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from .attention import AttentionMetadata, PagedAttention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .layers import (
+    LoadsWeights,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -136,15 +138,17 @@ class LlamaModel(nn.Module):
             q, k, v, residual = self.pre_attention(i, rope, hidden, residual)
             attn_out = self.attention(i, q, k, v, kv_cache, meta)
             hidden, residual = self.post_attention(i, attn_out, residual)
+        assert residual is not None  # the config has at least one layer
         return self.final_norm(hidden, residual)
 
-    # The building blocks of `forward`, which the piecewise CUDA-graph runner also calls.
+    # The building blocks of `forward`, which the piecewise CUDA-graph runner also calls. The
+    # casts: nn.ModuleList's items are typed as Module.
 
     def pre_attention(
         self, i: int, rope: StepRotary, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i up to its attention: (add &) input norm, QKV projection, rope."""
-        return self.layers[i].pre_attention(rope, hidden, residual)
+        return cast(LlamaDecoderLayer, self.layers[i]).pre_attention(rope, hidden, residual)
 
     def attention(
         self,
@@ -157,14 +161,14 @@ class LlamaModel(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer i's paged attention (writes the step's K/V) -> [T, Hq·D], into `out` if given."""
-        attn_out = self.layers[i].self_attn.attn(q, k, v, kv_cache, meta, out=out)
+        attn_out = cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn(q, k, v, kv_cache, meta, out=out)
         return attn_out.reshape(attn_out.shape[0], -1)
 
     def post_attention(
         self, i: int, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i after its attention: o_proj, add & post-attention norm, MLP."""
-        return self.layers[i].post_attention(attn_out, residual)
+        return cast(LlamaDecoderLayer, self.layers[i]).post_attention(attn_out, residual)
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.norm.add_and_norm(hidden, residual)[0]
@@ -174,7 +178,7 @@ class LlamaModel(nn.Module):
 class CheckpointTarget:
     """Where one checkpoint tensor goes: `module.load_weight(param, shard, source)`."""
 
-    module: nn.Module
+    module: LoadsWeights
     param: str
     shard: object = None
 

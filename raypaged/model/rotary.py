@@ -56,6 +56,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # a buffer (registered below), which nn.Module's typing cannot see
+
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim

@@ -68,5 +68,7 @@ def build_app(raw_args: dict[str, Any] | None = None) -> Application:
     # Pin the device the bundles were sized for: a replica must never reach for a GPU its
     # placement group did not reserve (or leave a reserved one idle).
     args = dataclasses.replace(args, engine=args.engine.replace(device="cuda" if use_gpu else "cpu"))
-    deployment = serve.deployment(RaypagedDeployment).options(**deployment_options(args, cluster_gpus))
+    # serve.ingress() is typed as returning a bare Callable, which picks deployment()'s other overload.
+    deployment = serve.deployment(RaypagedDeployment).options(  # type: ignore[attr-defined]
+        **deployment_options(args, cluster_gpus))
     return deployment.bind(args)

@@ -46,7 +46,7 @@ class ServeAppArgs:
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> "ServeAppArgs":
+    def from_dict(cls, raw: dict[str, Any] | None) -> ServeAppArgs:
         raw = dict(raw or {})
         engine_names = EngineConfig.names()
         own_names = {f.name for f in dataclasses.fields(cls)} - {"engine", "autoscaling", "limits"}

@@ -16,15 +16,15 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 from prometheus_client import generate_latest
 from ray import serve
+from starlette.exceptions import HTTPException
 
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.malformed import refuse_undecodable
@@ -34,7 +34,7 @@ from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
 from raypaged.serve.chat_template import chat_prompt_token_ids
 from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
-from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from raypaged.serve.openai_responses import ResponseBuilder
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
@@ -68,7 +68,7 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 @serve.ingress(api)
 class RaypagedDeployment:
-    async def __init__(self, args: ServeAppArgs) -> None:
+    async def __init__(self, args: ServeAppArgs) -> None:  # type: ignore[misc]  # Serve awaits it
         from transformers import AutoTokenizer
 
         config = args.engine
@@ -118,7 +118,7 @@ class RaypagedDeployment:
 
         return await self._respond(body, chat=True, build=build)
 
-    async def _respond(self, body: OpenAIRequest, *, chat: bool,
+    async def _respond(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                        build: Callable[[], pb.GenerateRequest]) -> Any:
         if body.model is not None and body.model != self.model_name:
             raise self._refused(model_not_found(body.model, self.model_name))
@@ -152,7 +152,7 @@ class RaypagedDeployment:
         return JSONResponse(builder.response(), headers=self._headers)
 
     async def _event_stream(self, builder: ResponseBuilder, first: pb.GenerateResponse,
-                            stream: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[str]:
+                            stream: AsyncGenerator[pb.GenerateResponse, None]) -> AsyncIterator[str]:
         async with contextlib.aclosing(stream):
             try:
                 for chunk in builder.chunks(first):

@@ -54,7 +54,7 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
     @classmethod
-    def from_exception(cls, error: BaseException) -> "OpenAIError":
+    def from_exception(cls, error: BaseException) -> OpenAIError:
         if isinstance(error, OpenAIError):
             return error
         code, message = status_for(error)

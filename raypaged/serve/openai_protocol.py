@@ -15,7 +15,7 @@ to be real text first (serve/client_text.py).
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -105,7 +105,7 @@ class OpenAIRequest(BaseModel):
 
 class CompletionRequest(OpenAIRequest):
     # A text, token ids, or a batch of one of either (what the openai client sends for one prompt).
-    prompt: Union[str, TokenIds, list[str], list[TokenIds]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: Int32 | None = None  # top logprobs per token, 0..20
     echo: bool = False
     suffix: str | None = None
@@ -137,7 +137,7 @@ class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[Any], None] = None
+    content: str | list[Any] | None = None
     name: str | None = None
 
     def text(self) -> str:

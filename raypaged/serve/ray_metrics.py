@@ -46,7 +46,7 @@ class _Mirrored:
 class _MirroredFamily:
     """A labelled family (e.g. request errors by code) whose children are mirrored on demand."""
 
-    def __init__(self, family: Any, mirror: "RayMetricsMirror") -> None:
+    def __init__(self, family: Any, mirror: RayMetricsMirror) -> None:
         self._family = family
         self._mirror = mirror
 

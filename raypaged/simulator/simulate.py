@@ -19,8 +19,8 @@ of the pool. Averages are over time (ratio of sums over steps), over all steps a
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.kv_cache_manager import KVCacheManager
@@ -82,7 +82,9 @@ class SimResult:
 
     def kv_utilization(self, saturated: bool = False) -> float:
         """Filled / allocated slots: of the memory handed out, the share holding token states."""
-        allocated = lambda s: s.slots["token_states"] + s.slots["reserved"] + s.slots["never_used"]
+        def allocated(s: StepSample) -> float:
+            return s.slots["token_states"] + s.slots["reserved"] + s.slots["never_used"]
+
         return self._ratio(lambda s: s.slots["token_states"], allocated, saturated)
 
     def pool_share(self, category: str, saturated: bool = False) -> float:
@@ -90,7 +92,9 @@ class SimResult:
         return self._ratio(lambda s: s.slots[category], lambda s: self.pool_slots, saturated)
 
     def internal_fragmentation(self, saturated: bool = False) -> float:
-        unfilled = lambda s: s.slots["reserved"] + s.slots["never_used"]
+        def unfilled(s: StepSample) -> float:
+            return s.slots["reserved"] + s.slots["never_used"]
+
         return self._ratio(unfilled, lambda s: self.pool_slots, saturated)
 
     @property
@@ -157,7 +161,7 @@ def simulate(trace: Trace, allocator: str, config: SimConfig = SimConfig(),
     requests: dict[str, Request] = {}
     not_yet_scheduled: collections.deque[Request] = collections.deque()  # in arrival order
     scheduled_once: set[str] = set()
-    generated = collections.Counter()
+    generated: collections.Counter[str] = collections.Counter()
     shared_saved_sum = 0
     # A livelock guard far above any real drain time: every token is computed at least once per
     # step, so steps <= tokens x (1 + preemptions); allow generous slack for idle arrival gaps.

@@ -99,7 +99,7 @@ class RequestOutputProcessor:
             if out.finished:
                 text += sample.stop.flush()
         delta.text = text
-        if not out.finished:
+        if out.finish_reason is None:  # not finished
             return ProcessedOutput(delta, len(new_ids), None)
         delta.finish_reason = FINISH_REASONS[out.finish_reason]
         if isinstance(out.stop_reason, int):

@@ -108,6 +108,7 @@ def add_sampled_tokens(result: ModelRunnerOutput, row_states: list[CachedRequest
         i = position[state.req_id]
         result.sampled_token_ids[i].append(token_ids[row])
         if row_logprobs is not None and state.sampling_params.logprobs is not None:
-            if result.logprobs[i] is None:
-                result.logprobs[i] = []
-            result.logprobs[i].append(row_logprobs[row])
+            entry = result.logprobs[i]
+            if entry is None:
+                entry = result.logprobs[i] = []
+            entry.append(row_logprobs[row])

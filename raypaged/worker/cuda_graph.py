@@ -10,20 +10,25 @@ decode kernel's programs beyond a sequence's length exit early).
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from raypaged.model.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    # What graph.pool() returns (torch imports it only for typing too: an import cycle).
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def capture_graph(fn: Callable[[], T], pool: object = None,
+def capture_graph(fn: Callable[[], T], pool: _POOL_HANDLE | None = None,
                   warmup_stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Warm `fn` up twice on a side stream (Triton compiles and autotunes outside the capture),
     then capture it into a graph drawing on memory pool `pool` (None: a new one, then
@@ -71,15 +76,14 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
-    def capture(self, pool: object = None) -> object:
+    def capture(self, pool: _POOL_HANDLE | None = None) -> _POOL_HANDLE | None:
         """Capture one graph per batch size into memory pool `pool` (None: a new one); returns
         the pool for other graphs to share."""
         stream = torch.cuda.Stream()
         # Largest first, so the smaller graphs fit in the memory pool the largest reserved.
         for size in reversed(self.sizes):
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size))
-            graph, self.outputs[size] = capture_graph(lambda args=args: self.model(*args), pool,
-                                                      stream)
+            graph, self.outputs[size] = capture_graph(functools.partial(self.model, *args), pool, stream)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()

@@ -16,6 +16,7 @@ from the previous step's sampled tokens on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from raypaged.worker.sampler import Sampler, SamplingMetadata
 from raypaged.worker.sampling_metadata import needs_token_history
+
+if TYPE_CHECKING:
+    from raypaged.model.llama import LlamaForCausalLM
 
 
 @dataclass
@@ -68,7 +72,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, vocab_size: int, device: torch.device,
                  is_driver: bool = True, seed: int | None = None, async_output: bool = False) -> None:
         self.model = model
@@ -303,7 +307,9 @@ class ModelRunner:
                 tp_broadcast(sampled.sampled_token_ids)
             self.in_flight.keep(row_states, sampled.sampled_token_ids, result, row_logprobs)
             return None
-        add_sampled_tokens(result, row_states, sampled.sampled_token_ids.tolist(), row_logprobs)
+        # The driver's (other ranks returned above), so there is a result.
+        add_sampled_tokens(cast(ModelRunnerOutput, result), row_states, sampled.sampled_token_ids.tolist(),
+                           row_logprobs)
         return result
 
     def _take_previous(self) -> ModelRunnerOutput | None:

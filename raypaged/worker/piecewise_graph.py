@@ -29,14 +29,21 @@ on the same buffers, which is how the split is checked against the ordinary forw
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from raypaged.model.attention import AttentionMetadata
 from raypaged.model.rotary import StepRotary
 from raypaged.worker.cuda_graph import capture_graph
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from raypaged.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,7 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
 class PiecewiseGraphs:
     """The model's non-attention pieces, per token-count bucket, as CUDA graphs (or eagerly)."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  sizes: list[int], device: torch.device) -> None:
         """sizes: the buckets (token counts), e.g. piecewise_sizes(max_tokens)."""
         self.decoder = model.model  # LlamaModel: embed_tokens, pre/post_attention, final_norm
@@ -67,7 +74,7 @@ class PiecewiseGraphs:
         self.num_layers = len(self.decoder.layers)
         self.sizes = sorted(set(sizes))
         largest = self.sizes[-1]
-        attn = self.decoder.layers[0].self_attn.attn
+        attn = cast("LlamaDecoderLayer", self.decoder.layers[0]).self_attn.attn  # ModuleList: items typed as Module
         embed = self.decoder.embed_tokens.weight
         dtype, hidden_size = embed.dtype, embed.shape[1]
 
@@ -104,9 +111,9 @@ class PiecewiseGraphs:
         else:
             hidden, residual = decoder.post_attention(
                 piece - 1, self.attn_out[:n].reshape(n, -1), self.residual[:n])
-        if piece == self.num_layers:
-            self.hidden_out[:n].copy_(decoder.final_norm(hidden, residual))
-            return
+            if piece == self.num_layers:  # (never piece 0: a model has layers)
+                self.hidden_out[:n].copy_(decoder.final_norm(hidden, residual))
+                return
         if piece == 0:
             rope = decoder.rotary_emb(self.positions[:n], hidden.dtype)
             self.rope_cos[:n].copy_(rope.cos)
@@ -126,7 +133,7 @@ class PiecewiseGraphs:
 
     # ---- capture and replay --------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, pool: object = None) -> object:
+    def capture(self, pool: _POOL_HANDLE | None = None) -> _POOL_HANDLE | None:
         """Capture every piece of every bucket, largest bucket first, into one memory pool
         (`pool`, or a new one); returns the pool for other graphs to share."""
         free_before, _ = torch.cuda.mem_get_info()
@@ -135,8 +142,7 @@ class PiecewiseGraphs:
         for size in reversed(self.sizes):
             graphs = []
             for piece in range(self.num_layers + 1):
-                graph, _ = capture_graph(lambda p=piece, n=size: self._run_piece(p, n), pool,
-                                         stream)
+                graph, _ = capture_graph(functools.partial(self._run_piece, piece, size), pool, stream)
                 pool = graph.pool()
                 graphs.append(graph)
             self.graphs[size] = graphs

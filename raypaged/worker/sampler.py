@@ -19,6 +19,7 @@ Sampler's generator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -73,16 +74,16 @@ class Sampler(nn.Module):
             logits = apply_penalties(logits.float(), metadata)
             greedy = None if metadata.all_random else logits.argmax(dim=-1)
             if metadata.all_greedy:
-                sampled = greedy
+                sampled = cast(torch.Tensor, greedy)  # all greedy, so not all random
             else:
                 sampled = self._draw(apply_sampling_filters(logits, metadata), metadata)
-                if greedy is not None:
-                    sampled = torch.where(metadata.greedy_mask, greedy, sampled)
+                if greedy is not None:  # greedy and random rows: the mask tells them apart
+                    sampled = torch.where(cast(torch.Tensor, metadata.greedy_mask), greedy, sampled)
 
         output = SamplerOutput(sampled_token_ids=sampled, num_logprobs=metadata.num_logprobs)
         if raw_logprobs is not None:
             output.logprobs, output.logprob_token_ids, output.sampled_token_ranks = \
-                compute_logprobs_outputs(raw_logprobs, sampled, metadata.max_num_logprobs)
+                compute_logprobs_outputs(raw_logprobs, sampled, cast(int, metadata.max_num_logprobs))
         return output
 
     def _draw(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -120,7 +121,7 @@ def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
 def apply_sampling_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p, for a batch with at least one random row. Returns a
     new tensor (the temperature division makes it; the filters then work in place on it)."""
-    logits = logits / metadata.temperature.unsqueeze(1)
+    logits = logits / cast(torch.Tensor, metadata.temperature).unsqueeze(1)  # set: a random row
     if metadata.min_p is not None:
         apply_min_p(logits, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
@@ -133,15 +134,16 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     asks for a penalty, else `logits` itself."""
     if not metadata.has_penalties:
         return logits
-    counts = metadata.output_token_counts
+    # has_penalties: the penalty tensors and the output counts are all set.
+    counts = cast(torch.Tensor, metadata.output_token_counts)
     if metadata.prompt_token_mask is not None:
         seen = metadata.prompt_token_mask | (counts > 0)
-        penalty = metadata.repetition_penalty.unsqueeze(1)
+        penalty = cast(torch.Tensor, metadata.repetition_penalty).unsqueeze(1)
         # Dividing a positive logit and multiplying a negative one both make the token less
         # likely; rows with penalty 1.0 come through bit-identical.
         logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    logits = logits - metadata.frequency_penalty.unsqueeze(1) * counts
-    return logits - metadata.presence_penalty.unsqueeze(1) * (counts > 0)
+    logits = logits - cast(torch.Tensor, metadata.frequency_penalty).unsqueeze(1) * counts
+    return logits - cast(torch.Tensor, metadata.presence_penalty).unsqueeze(1) * (counts > 0)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ class SamplingMetadata:
         device: torch.device | str,
         sample_indices: Sequence[int] | None = None,
         num_output_tokens: Sequence[int] | None = None,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """One row per logits row. `sample_indices[i]` (default 0) is which sample of an n > 1
         request row i draws, when the runner repeats a request's row n times for its first
         token; it must lie in [0, params[i].n). Token lists are read only for rows that ask for

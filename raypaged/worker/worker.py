@@ -15,6 +15,7 @@ from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.kernels import gemv, ops, pdl
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
+from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.loader import load_model
 from raypaged.worker.model_runner import ModelRunner
 
@@ -58,7 +59,7 @@ class Worker:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
         self.dtype = resolve_dtype(config.model_settings.dtype, self.device)
-        self.model: torch.nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
         # The engine's token budget per step, told in determine_num_blocks: no piecewise graph
         # is captured for more tokens than a step can hold.
@@ -80,7 +81,8 @@ class Worker:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
-                                load_format=self.config.model_settings.load_format, seed=self.config.model_settings.seed)
+                                load_format=self.config.model_settings.load_format,
+                                seed=self.config.model_settings.seed)
 
     def bytes_per_block(self) -> int:
         mc = self.model_config
@@ -141,9 +143,10 @@ class Worker:
         with torch.inference_mode():
             ids = torch.zeros(per_seq * num_seqs, dtype=torch.int64, device=dev)
             positions = torch.arange(per_seq, device=dev).repeat(num_seqs)
-            hidden = self.model(ids, positions, caches, metadata)
+            model = self._loaded_model()
+            hidden = model(ids, positions, caches, metadata)
             rows = torch.arange(num_seqs, device=dev) * per_seq + per_seq - 1
-            logits = self.model.compute_logits(hidden[rows])
+            logits = model.compute_logits(hidden[rows])
             torch.softmax(logits.float(), dim=-1)  # the sampler's largest temporary
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
@@ -153,7 +156,7 @@ class Worker:
         kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                       torch.zeros(shape, dtype=self.dtype, device=self.device))
                      for _ in range(mc.num_hidden_layers)]
-        self.runner = ModelRunner(self.model, kv_caches, self.config.scheduler.block_size, max_model_len,
+        self.runner = ModelRunner(self._loaded_model(), kv_caches, self.config.scheduler.block_size, max_model_len,
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
                                   seed=self.config.model_settings.seed,
                                   async_output=self.config.scheduler.async_scheduling)
@@ -166,6 +169,11 @@ class Worker:
             seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size)
             logger.info("attention kernels compiled for every split count in %.1f s", seconds)
 
+    def _loaded_model(self) -> LlamaForCausalLM:
+        if self.model is None:
+            raise RuntimeError("load_model() must run first")
+        return self.model
+
     def _piecewise_max_tokens(self) -> int | None:
         """The largest piecewise-graph bucket, or None for no piecewise graphs."""
         if not self.config.compilation.piecewise_cuda_graph:
@@ -175,6 +183,7 @@ class Worker:
 
     # ---- per step ----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.runner is not None  # initialize_cache() ran
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
