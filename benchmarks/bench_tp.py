@@ -68,7 +68,7 @@ from raypaged import LLM, SamplingParams
 GREEDY_PROMPT_LENS = (7, 19, 45, 100)
 
 
-# ---- In each rank's process (RayExecutor.run_on_workers). Ray ships these by value: they import
+# ---- In each rank's process (Executor.collective_rpc). Ray ships these by value: they import
 # ---- only torch and raypaged, as the workers cannot import this file's neighbours.
 
 def worker_env(worker, keys: list[str]) -> dict:
@@ -212,10 +212,10 @@ def profiled_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int) -
     ids = start_decoding(engine, batch, context, vocab, steps, "profile")
     for _ in range(3):
         engine.step()
-    engine.executor.run_on_workers(profile_start)
+    engine.executor.collective_rpc(profile_start)
     for _ in range(steps):
         engine.step()
-    ranks = engine.executor.run_on_workers(profile_stop, steps)
+    ranks = engine.executor.collective_rpc(profile_stop, (steps,))
     check_batch_kept(engine, batch)
     engine.abort_requests(ids)
     drain(engine)
@@ -241,7 +241,7 @@ def measure(run: dict, args, model_dir: Path, tp: int, dtype_name: str, vocab: i
     try:
         run.update(start_s=time.perf_counter() - start, enforce_eager=eager,
                    num_kv_blocks=llm.engine.num_blocks)
-        run["workers"] = executor.run_on_workers(worker_env, sorted(MULTICAST_OFF))
+        run["workers"] = executor.collective_rpc(worker_env, (sorted(MULTICAST_OFF),))
         if device.type == "cuda" and any(w[k] != v for w in run["workers"]
                                          for k, v in MULTICAST_OFF.items()):
             raise RuntimeError(f"NVLink multicast is not off in a worker: {run['workers']}")
@@ -259,7 +259,7 @@ def measure(run: dict, args, model_dir: Path, tp: int, dtype_name: str, vocab: i
             drain(llm.engine)  # the probe must not meet a step in flight
             line = f"[tp {tp}] decode B={batch}: {step_ms:.2f} ms/step"
             if tp > 1:
-                c = executor.run_on_workers(step_collectives, batch, args.probe_iters)[0]
+                c = executor.collective_rpc(step_collectives, (batch, args.probe_iters))[0]
                 row.update(collectives=c, collectives_share=c["total_ms"] / step_ms,
                            all_reduce_share=c["all_reduce_ms"] / step_ms)
                 line += f", collectives {c['total_ms']:.3f} ms ({row['collectives_share']:.1%})"

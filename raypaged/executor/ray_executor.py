@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -222,10 +222,6 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: WorkerCall, args: Sequence[Any] = ()) -> list[Any]:
         refs = [w.collective_rpc.remote(method, tuple(args)) for w in self.workers]
         return self._wait_all(refs, method if isinstance(method, str) else repr(method))
-
-    def run_on_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """collective_rpc(fn, args) under its old name, which benchmarks/bench_tp.py still calls."""
-        return self.collective_rpc(fn, args)
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
