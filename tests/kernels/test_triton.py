@@ -144,8 +144,8 @@ def test_split_heuristic_fills_the_card_and_respects_lengths():
 @pytest.mark.parametrize("group, pack_gqa", [(1, False), (4, False), (8, False), (4, True), (8, True)])
 def test_prefill_fp32_fresh_chunked_and_prefix_hit(group, pack_gqa):
     # Request 0: fresh prefill. 1: a chunk after a cached prefix. 2: one token (decode-like).
-    # 3: nothing new this step. 4: long prefix hit, 100 new tokens.
-    seq_lens = [17, 100, 40, 9, 513]
+    # 3: nothing new this step. 4: long prefix hit (many KV tiles, a ragged last block), 100 new.
+    seq_lens = [17, 100, 40, 9, 257]
     query_lens = [17, 37, 1, 0, 100]
     check_prefill(seq_lens, query_lens, group, seed=group, pack_gqa=pack_gqa)
 
@@ -158,10 +158,10 @@ def test_prefill_tile_shapes_against_page_size(block_m, block_n, block_size):
 
 @pytest.mark.parametrize("dtype, block_size", [(torch.bfloat16, 16), (torch.float16, 8)])
 def test_prefill_half_precision(dtype, block_size):
-    check_prefill([100, 513], [100, 64], 4, head_dim=128, dtype=dtype, block_size=block_size)
+    check_prefill([100, 257], [100, 64], 4, head_dim=128, dtype=dtype, block_size=block_size)
 
 
-CHUNKED_MIX = ([17, 100, 40, 9, 513], [17, 37, 1, 0, 100])  # fresh, chunk, 1 token, none, hit
+CHUNKED_MIX = ([17, 100, 40, 9, 257], [17, 37, 1, 0, 100])  # fresh, chunk, 1 token, none, hit
 
 
 @pytest.mark.parametrize("group, pack_gqa", [(1, False), (4, False), (8, False), (8, True)])
