@@ -56,7 +56,6 @@ def step_inputs(config, batch: int, query_len: int, context: int, num_blocks: in
         num_decodes=batch if decode else 0,
         num_decode_tokens=batch if decode else 0,
         max_query_len=query_len,
-        max_seq_len=context,
     )
     ids = torch.randint(0, config.vocab_size, (batch * query_len,), device=device)
     last_rows = torch.arange(batch, device=device) * query_len + query_len - 1

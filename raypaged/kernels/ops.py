@@ -162,21 +162,16 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    *,
-    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """One query per request over its paged context. q [S, Hq, D] -> [S, Hq, D].
-
-    max_seq_len: a host-side bound on seq_lens that sizes the split-K grid (default: the block
-    table's capacity). Pass a fixed value when capturing a CUDA graph.
-    """
+    """One query per request over its paged context. q [S, Hq, D] -> [S, Hq, D]. The launch
+    depends on shapes only (CUDA-graph capturable for any mix of lengths)."""
     if backend_for(q) == "torch":
         result = reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
         return _into(out, result)
     from .paged_decode import paged_decode_triton
 
     return paged_decode_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, max_seq_len=max_seq_len
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out=out
     )
 
 

@@ -26,8 +26,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S+1] int32: cu_seqlens of this step's tokens
     num_decodes: int  # requests 0..num_decodes-1 have exactly one new token
     num_decode_tokens: int  # == num_decodes; kept separate for the kernels' sake
-    max_query_len: int  # host ints, for kernel launch sizing
-    max_seq_len: int
+    max_query_len: int  # host int: the longest request's new tokens
 
     # The prefill part's views, computed once here rather than in every layer.
     prefill_block_tables: torch.Tensor = field(init=False, repr=False)
@@ -105,7 +104,6 @@ class PagedAttention(nn.Module):
                 meta.seq_lens[: meta.num_decodes],
                 self.scale,
                 out=out[:num_decode_tokens],
-                max_seq_len=meta.max_seq_len,
             )
         if meta.num_prefills:
             ops.paged_prefill(

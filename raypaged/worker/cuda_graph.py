@@ -3,8 +3,8 @@
 An eager decode step of an 8B model launches a few hundred kernels and is bound by the CPU
 launching them (~21 ms on the H200 against a 3.8 ms weight-read floor); replaying a captured
 graph launches them all at once. Graphs need fixed addresses and fixed host-side values, so the
-step's inputs are copied into static buffers and the kernels are sized for max_model_len (the
-decode kernel's programs beyond a sequence's length exit early).
+step's inputs are copied into static buffers; the decode kernel's grid depends on the batch size
+only (paged_decode.py: its work items are found on the device), so any mix of lengths replays.
 """
 
 from __future__ import annotations
@@ -52,11 +52,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 max_num_seqs: int, max_blocks_per_req: int, max_model_len: int,
-                 device: torch.device) -> None:
+                 max_num_seqs: int, max_blocks_per_req: int, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         largest = self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -72,8 +70,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[: size + 1],
-            num_decodes=size, num_decode_tokens=size, max_query_len=1,
-            max_seq_len=self.max_model_len)
+            num_decodes=size, num_decode_tokens=size, max_query_len=1)
 
     @torch.inference_mode()
     def capture(self, pool: _POOL_HANDLE | None = None) -> _POOL_HANDLE | None:

@@ -89,8 +89,7 @@ class ModelRunner:
         self.async_output = async_output
         self.in_flight = InFlightTokens(device)  # async_output: the step not answered yet
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
-                            piecewise_max_tokens: int | None) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, piecewise_max_tokens: int | None) -> None:
         """Full graphs for decode-only steps and, unless piecewise_max_tokens is None, piecewise
         graphs for the other steps of up to that many tokens; all in one memory pool."""
         pool = None
@@ -103,8 +102,7 @@ class ModelRunner:
                                                     self.device)
             pool = self.piecewise_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
-                                          self.block_table.max_blocks_per_req, max_model_len,
-                                          self.device)
+                                          self.block_table.max_blocks_per_req, self.device)
         self.decode_graphs.capture(pool)
 
     def release(self) -> None:
@@ -224,7 +222,6 @@ class ModelRunner:
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_query_len=max(counts),
-            max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(states, ids_t, _to_device(positions, dev), metadata, rows_t,
                           row_states, sample_indices, placeholders)

@@ -138,7 +138,6 @@ class Worker:
             num_decodes=num_seqs if per_seq == 1 else 0,
             num_decode_tokens=num_seqs if per_seq == 1 else 0,
             max_query_len=per_seq,
-            max_seq_len=per_seq,
         )
         with torch.inference_mode():
             ids = torch.zeros(per_seq * num_seqs, dtype=torch.int64, device=dev)
@@ -161,13 +160,13 @@ class Worker:
                                   seed=self.config.model_settings.seed,
                                   async_output=self.config.scheduler.async_scheduling)
         if self.device.type == "cuda" and not self.config.compilation.enforce_eager:
-            self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_model_len,
+            self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs,
                                             self._piecewise_max_tokens())
         if self.device.type == "cuda" and ops.backend_for(kv_caches[0][0]) == "triton":
             from raypaged.kernels.warmup import warm_up_attention
 
             seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size)
-            logger.info("attention kernels compiled for every split count in %.1f s", seconds)
+            logger.info("attention kernels compiled for every batch-size variant in %.1f s", seconds)
 
     def _loaded_model(self) -> LlamaForCausalLM:
         if self.model is None:

@@ -81,7 +81,7 @@ def test_gpu_decode_kernels_match_with_pdl_in_a_cuda_graph(pdl_env, monkeypatch)
         q, k = qkv[:, :4096].reshape(2, 32, 128), qkv[:, 4096:5120].reshape(2, 8, 128)
         rope_in_place(q, k, cos, sin)
         attn = paged_decode_triton(q.contiguous(), batch.k_cache, batch.v_cache, batch.block_tables,
-                                   batch.seq_lens, 1 / math.sqrt(128), max_seq_len=1024)
+                                   batch.seq_lens, 1 / math.sqrt(128))
         split = gemv_triton(normed, up, split_k=4)  # its partials meet through atomics
         # the fused epilogues, and a GEMM right after a GEMM
         rotated = gemv_rope(normed, weight, None, cos, sin, 128, 5120, default_config(6144, 4096, 2))

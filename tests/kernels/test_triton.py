@@ -1,10 +1,9 @@
-"""Triton kernels against the torch references (themselves checked in test_kernels_reference).
+"""Triton prefill and KV-write kernels against the torch references (themselves checked in
+test_reference.py); decode is test_decode.py.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); tests marked `gpu` repeat
 the checks on CUDA in bf16 at larger sizes (scripts/gpu.sh tests). Every batch comes from
-`random_paged_batch`: permuted block ids from a pool 4x larger than needed, NaN in every slot a
-kernel must not read, and NaN in the output buffer before the launch, so an unwritten output
-element or a stray read fails.
+`random_paged_batch` (tests/support/kernel_checks.py says what it poisons).
 
 Tolerances (kernels.testing.check_against_reference): fp32 ≤ 1e-4 relative per (token, head) row
 against the fp32 reference; fp16/bf16 within 2x (+1e-3) of the error that the same reference
@@ -13,13 +12,11 @@ computed in that dtype makes.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from raypaged.kernels import ops
-from raypaged.kernels.paged_decode import choose_num_splits, paged_decode_triton
+from raypaged.kernels.paged_decode import paged_decode_triton
 from raypaged.kernels.paged_prefill import CUDA_DEFAULT, VARIANTS, paged_prefill_triton
 from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref, write_kv_ref
 from raypaged.kernels.testing import (
@@ -30,113 +27,7 @@ from raypaged.kernels.testing import (
     relative_error_per_row,
 )
 from raypaged.kernels.write_kv import write_kv_triton
-
-ODD_LENS = [1, 17, 100, 513]
-
-
-def check_decode(seq_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
-                 dtype=torch.float32, device="cpu", seed=0, layout="separate", **kernel_args):
-    gen = torch.Generator().manual_seed(seed)
-    batch = random_paged_batch(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
-                               layout=layout, generator=gen)
-    q = torch.randn((len(seq_lens), num_kv_heads * group, head_dim), generator=gen).to(dtype).to(device)
-    scale = 1 / math.sqrt(head_dim)
-    out = torch.full_like(q, float("nan"))
-    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale)
-    result = paged_decode_triton(q, *args, out=out, **kernel_args)
-    assert result is out
-    check_against_reference(
-        out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd), dtype
-    )
-
-
-def check_prefill(seq_lens, query_lens, group, *, num_kv_heads=2, head_dim=64, block_size=16,
-                  dtype=torch.float32, device="cpu", seed=0, new_kv=None, fused_qkv=False,
-                  **kernel_args):
-    """new_kv "ptr"/"tma": pass this step's k/v and poison their cache slots with NaN, so the
-    new tokens must come from k/v; fused_qkv: q, k, v as strided views of one [T, Hq+2Hkv, D]."""
-    gen = torch.Generator().manual_seed(seed)
-    batch = random_paged_batch(seq_lens, num_kv_heads, head_dim, block_size, dtype, device,
-                               generator=gen)
-    q = torch.randn((sum(query_lens), num_kv_heads * group, head_dim), generator=gen)
-    q = q.to(dtype).to(device)
-    scale = 1 / math.sqrt(head_dim)
-    out = torch.full_like(q, float("nan"))
-    args = (batch.k_cache, batch.v_cache, batch.block_tables,
-            query_start_loc(query_lens, device), batch.seq_lens, scale)
-    # References first: poisoning the new tokens' slots would poison them too.
-    refs = {cd: paged_prefill_ref(q, *args, compute_dtype=cd) for cd in {torch.float32, dtype}}
-    if new_kv is not None:
-        k_new, v_new = new_token_kv(batch, query_lens, poison_cache=True)
-        if fused_qkv:
-            qkv = torch.cat([q, k_new, v_new], dim=1)
-            hq = q.shape[1]
-            q, k_new, v_new = qkv[:, :hq], qkv[:, hq:hq + num_kv_heads], qkv[:, hq + num_kv_heads:]
-        kernel_args.update(k_new=k_new, v_new=v_new, new_kv=new_kv)
-    paged_prefill_triton(q, *args, out=out, **kernel_args)
-    check_against_reference(out, refs.__getitem__, dtype)
-
-
-# ---------------------------------------------------------------- decode
-
-
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_fp32_gqa_split_and_no_split(group, num_splits):
-    check_decode(ODD_LENS, group, num_splits=num_splits, seed=group * 10 + num_splits)
-
-
-@pytest.mark.parametrize(
-    "dtype, block_size, head_dim",
-    [(torch.bfloat16, 8, 128), (torch.float16, 32, 128), (torch.bfloat16, 16, 64)],
-)
-def test_decode_half_precision_with_chosen_splits(dtype, block_size, head_dim):
-    # num_splits left to the heuristic: max_seq_len 513, 3 seqs x 2 KV heads -> 2 splits.
-    check_decode(ODD_LENS[1:], 4, dtype=dtype, block_size=block_size, head_dim=head_dim,
-                 max_seq_len=513)
-
-
-@pytest.mark.parametrize("layout", ["head_major", "interleaved"])
-def test_decode_follows_cache_strides(layout):
-    check_decode([33, 70], 4, layout=layout, num_splits=2)
-
-
-def test_decode_more_splits_than_tiles_and_small_tiles():
-    # 64 splits over at most 9 tiles: most programs exit at once, the merge must skip them.
-    check_decode([5, 130], 2, block_size=32, num_splits=64, tile_n=16)
-
-
-def test_decode_empty_request_gives_zeros_on_both_paths():
-    for num_splits in (1, 4):
-        batch = random_paged_batch([0, 9], 1, 64, 8)
-        q = torch.randn(2, 4, 64)
-        out = paged_decode_triton(q, batch.k_cache, batch.v_cache, batch.block_tables,
-                                  batch.seq_lens, 0.1, num_splits=num_splits)
-        assert torch.equal(out[0], torch.zeros_like(out[0]))
-        assert torch.isfinite(out[1]).all()
-
-
-def test_decode_reads_strided_queries_and_writes_strided_out():
-    batch = random_paged_batch([20, 3], 2, 64, 8)
-    qkv = torch.randn(2, 3, 8, 64)  # q is a non-contiguous slice, as from a fused QKV
-    q = qkv[:, 0]
-    out_buffer = torch.full((2, 2, 8, 64), float("nan"))
-    out = out_buffer[:, 1]
-    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
-    paged_decode_triton(q, *args, out=out, num_splits=2)
-    expected = paged_decode_ref(q, *args)
-    assert relative_error_per_row(out, expected).max() <= 1e-4
-    assert out_buffer[:, 0].isnan().all()  # nothing written outside `out`
-
-
-def test_split_heuristic_fills_the_card_and_respects_lengths():
-    assert choose_num_splits(1, 8, 32768, 132) == 64  # few programs, long context: split a lot
-    assert choose_num_splits(256, 8, 1024, 132) == 1  # 2048 programs already
-    assert choose_num_splits(1, 8, 200, 132) == 1  # too short to be worth a split
-    for args in [(8, 8, 8192, 132), (64, 8, 4096, 132), (3, 2, 100000, 4)]:
-        n = choose_num_splits(*args)
-        assert n & (n - 1) == 0 and 1 <= n <= 64
-
+from tests.support.kernel_checks import ODD_LENS, check_decode, check_prefill
 
 # ---------------------------------------------------------------- prefill
 
@@ -279,8 +170,8 @@ def test_decode_and_prefill_offsets_past_int32(huge_pool_batch):
     b = huge_pool_batch
     q = torch.randn(3, 4, 64, dtype=torch.float16)
     args = (b.k_cache, b.v_cache, b.block_tables, b.seq_lens, 0.125)
-    for num_splits in (1, 2):
-        out = paged_decode_triton(q, *args, num_splits=num_splits)
+    for target_items in (1, None):
+        out = paged_decode_triton(q, *args, target_items=target_items, min_chunk_tokens=16)
         check_against_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
                                  torch.float16)
     qp = torch.randn(134, 4, 64, dtype=torch.float16)
@@ -317,7 +208,7 @@ def test_ops_dispatch_to_triton():
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     ops.set_backend("triton")
     try:
-        out = ops.paged_decode(q, *args, max_seq_len=30)
+        out = ops.paged_decode(q, *args)
         qp = torch.randn(42, 4, 64)
         pargs = (batch.k_cache, batch.v_cache, batch.block_tables, query_start_loc([12, 30]),
                  batch.seq_lens, 0.125)
@@ -336,8 +227,8 @@ def test_launchers_reject_bad_input_before_launching():
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     with pytest.raises(ValueError, match="multiple"):
         paged_decode_triton(torch.randn(1, 3, 64), *args)
-    with pytest.raises(ValueError, match="power of two"):
-        paged_decode_triton(torch.randn(1, 4, 64), *args, num_splits=3)
+    with pytest.raises(ValueError, match=">= 1"):
+        paged_decode_triton(torch.randn(1, 4, 64), *args, target_items=0)
     out = torch.full((1, 4, 32), float("nan"))
     with pytest.raises(ValueError, match="out must be"):
         paged_decode_triton(torch.randn(1, 4, 64), *args, out=out)
@@ -360,9 +251,9 @@ def test_launchers_reject_bad_input_before_launching():
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_exhaustive_grid(dtype, head_dim, block_size, group):
     seed = head_dim + block_size + group
-    for num_splits in (1, 2, 8):
+    for target_items in (1, 4, None):
         check_decode(ODD_LENS, group, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                     num_splits=num_splits, seed=seed)
+                     target_items=target_items, min_chunk_tokens=32, seed=seed)
     for new_kv in (None, "tma"):
         check_prefill([513, 100, 17, 1], [200, 100, 5, 1], group, head_dim=head_dim,
                       block_size=block_size, dtype=dtype, seed=seed, new_kv=new_kv)
@@ -371,17 +262,6 @@ def test_exhaustive_grid(dtype, head_dim, block_size, group):
 # ---------------------------------------------------------------- on the GPU (bf16)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_gpu_decode_bf16(group, block_size):
-    lens = [1, 17, 100, 513, 4097, 8190, 33, 2048]
-    for num_splits in (None, 1, 8):
-        check_decode(lens, group, num_kv_heads=8, head_dim=128, block_size=block_size,
-                     dtype=torch.bfloat16, device="cuda", num_splits=num_splits, seed=group)
 
 
 @pytest.mark.gpu
@@ -406,46 +286,11 @@ def test_gpu_write_kv_and_int64_offsets():
     assert int(batch.block_tables.long().max()) * block_stride > 2**31
     q = torch.randn(3, 32, 128, dtype=torch.bfloat16, device="cuda")
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 128**-0.5)
-    for num_splits in (1, 4):
-        out = paged_decode_triton(q, *args, num_splits=num_splits)
+    for target_items in (1, None):
+        out = paged_decode_triton(q, *args, target_items=target_items)
         check_against_reference(out, lambda cd: paged_decode_ref(q, *args, compute_dtype=cd),
                                  torch.bfloat16)
     slots = batch.block_tables[0, :3].long() * 16 + 5
     key = torch.randn(3, 8, 128, dtype=torch.bfloat16, device="cuda")
     write_kv_triton(key, key, batch.k_cache, batch.v_cache, slots)
     assert torch.equal(batch.k_cache[batch.block_tables[0, :3].long(), 5], key)
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_decode_replays_in_a_cuda_graph():
-    """Captured once with a fixed max_seq_len, replayed on new lengths: grid never depends on data."""
-    batch = random_paged_batch([3000, 3000, 3000, 3000], 8, 128, 16, torch.bfloat16, "cuda")
-    q = torch.randn(4, 32, 128, dtype=torch.bfloat16, device="cuda")
-    seq_lens = batch.seq_lens.clone()
-    out = torch.empty_like(q)
-    args = (batch.k_cache, batch.v_cache, batch.block_tables)
-    paged_decode_triton(q, *args, seq_lens, 0.088, out=out, max_seq_len=3000)  # compile
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_triton(q, *args, seq_lens, 0.088, out=out, max_seq_len=3000)
-    for lens in ([3000, 1, 17, 2500], [5, 2999, 1000, 64]):
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        check_against_reference(
-            out, lambda cd: paged_decode_ref(q, *args, seq_lens, 0.088, compute_dtype=cd),
-            torch.bfloat16,
-        )
-
-
-def test_warm_up_runs_every_variant_and_leaves_the_pool_alone():
-    """The start-up warm-up (raypaged/kernels/warmup.py) reads the pool only: every slot stays as it was."""
-    from raypaged.kernels.warmup import warm_up_attention
-
-    torch.manual_seed(0)
-    k_cache = torch.randn(4, 8, 2, 16)
-    v_cache = torch.randn(4, 8, 2, 16)
-    before = (k_cache.clone(), v_cache.clone())
-    assert warm_up_attention(k_cache, v_cache, num_q_heads=4) >= 0
-    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

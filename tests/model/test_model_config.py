@@ -145,7 +145,6 @@ def _metadata(**changes):
         num_decodes=1,
         num_decode_tokens=1,
         max_query_len=3,
-        max_seq_len=3,
     )
     return AttentionMetadata(**{**fields, **changes})
 

@@ -87,7 +87,6 @@ class PagedHarness:
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_query_len=max(counts),
-            max_seq_len=max(seq_lens),
         )
         with torch.inference_mode():
             hidden = self.model(
