@@ -116,6 +116,8 @@ def time_steps(shape: str, batches: list[int], context: int, profile_steps: bool
         ids, positions, meta, last = step_inputs(config, batch, 1, context, num_blocks, device)
 
         def step(ids=ids, positions=positions, meta=meta, last=last):
+            # As the engine steps: one decode work list a step, every layer reading it.
+            meta.plan_decode(shape[2], out=meta.decode_work)
             hidden = model(ids, positions, caches, meta)
             return model.compute_logits(hidden[last])
 

@@ -1,4 +1,4 @@
-"""How paged decode divides a batch's KV into work items of about equal size.
+"""The work list of paged decode: the batch's KV cut into items of about equal size.
 
 A serving batch is never uniform: one long conversation decodes beside many short ones. Cutting
 every sequence into the same number of splits either leaves the long one's KV to a handful of
@@ -7,73 +7,138 @@ their merge. Instead the whole batch's KV is cut into items of about `chunk` tok
 the batch's total (FlashInfer's load-balanced decode schedule does the same):
 
   chunk    = max(ceil(total_tokens / target_items), min_chunk)
-  items_s  = max(len_s // chunk, 1), then each of those is a tile-aligned ceil(len_s / items_s)
+  items_s  = max(len_s // chunk, 1), then each of those is an `align`-rounded ceil(len_s / items_s)
              tokens long (the last one shorter), and items_s drops to the number that covers len_s
 
-so every item is between chunk and 2 x chunk tokens (or the whole of a shorter sequence), and the
-batch has at most num_seqs + target_items of them (len // chunk summed over the batch is at most
-total / chunk <= target_items, plus at most one per sequence). That bound is the kernel's grid:
-it depends on shapes only, so a CUDA graph captured once serves any mix of lengths, and items past
-the batch's count exit at once. Items are numbered sequence by sequence; each program finds its
-own from seq_lens on the device (a prefix sum over the batch), so there is no host-side list to
-build or copy. `plan` below is the same arithmetic on the host, for tests and benchmarks.
+so every item of a split sequence is under 2 x chunk (+ align) tokens, and the batch has at most
+num_seqs + target_items items (len // chunk summed over the batch is at most total / chunk <=
+target_items, plus at most one per sequence) and at most target_items // 2 split sequences (each
+holds >= 2 chunks). Those bounds size the decode and merge grids: shapes only, so a CUDA graph
+captured once serves any mix of lengths, and entries past the batch's count are -1.
+
+One program computes the list on the device from seq_lens (`plan_decode_work`), once per step:
+every layer's decode reads the same list. Layout, int32 [WORK_FIELDS, num_seqs + target_items]:
+rows ITEM_* per work item, SEQ_* per sequence, MERGES the split sequences. `plan` is the same
+arithmetic on the host, for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, wait_for_inputs
+
+ITEM_SEQ, ITEM_START, ITEM_END, ITEM_COUNT = 0, 1, 2, 3  # its sequence's item count
+SEQ_FIRST, SEQ_COUNT, SEQ_ITEM_LEN = 4, 5, 6
+MERGES = 7
+WORK_FIELDS = 8
+_BLOCK = 1024
+
 
 @triton.jit
-def _items_of(lens, chunk, TILE_N: tl.constexpr):
+def _items_of(lens, chunk, ALIGN: tl.constexpr):
     """Per sequence of `lens`: (number of items, tokens per item)."""
     wanted = tl.maximum(lens // chunk, 1)
-    item_len = tl.cdiv(tl.cdiv(lens, wanted), TILE_N) * TILE_N
+    item_len = tl.cdiv(tl.cdiv(lens, wanted), ALIGN) * ALIGN
     # An empty sequence is one empty item (its output: zeros).
     items = tl.where(item_len > 0, tl.cdiv(lens, tl.maximum(item_len, 1)), 1)
     return items, item_len
 
 
 @triton.jit
-def chunk_tokens(seq_lens_ptr, num_seqs, target_items, min_chunk, SEQ_BLOCK: tl.constexpr):
-    """The batch's item size in tokens (see the module docstring)."""
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+# Ints that vary from step to step are left unspecialised: no variant compiles mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "width", "target_items", "min_chunk"])
+def _plan_kernel(seq_lens_ptr, work_ptr, num_seqs, width, target_items, min_chunk,
+                 ALIGN: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_inputs(USE_PDL)
     total = 0
-    for start in range(0, num_seqs, SEQ_BLOCK):
-        index = start + tl.arange(0, SEQ_BLOCK)
+    for start in range(0, num_seqs, BLOCK):
+        index = start + tl.arange(0, BLOCK)
         total += tl.sum(tl.load(seq_lens_ptr + index, mask=index < num_seqs, other=0))
-    return tl.maximum(tl.cdiv(total, target_items), min_chunk)
+    chunk = tl.maximum(tl.cdiv(total, target_items), min_chunk)
 
-
-@triton.jit
-def find_item(seq_lens_ptr, num_seqs, item, chunk, TILE_N: tl.constexpr, SEQ_BLOCK: tl.constexpr):
-    """Where work item `item` lies: (seq, its first item, its item count, tokens per item, its
-    length). seq == num_seqs when `item` is past the batch's last."""
-    seq = num_seqs
-    first = 0
-    count = 1
-    item_len = 0
-    seq_len = 0
-    before = 0  # items of the sequences ahead of this block
-    for start in range(0, num_seqs, SEQ_BLOCK):
-        index = start + tl.arange(0, SEQ_BLOCK)
+    # Each sequence marks its first item with its index; a running max then names every item's.
+    for start in range(0, width, BLOCK):
+        index = start + tl.arange(0, BLOCK)
+        tl.store(work_ptr + ITEM_SEQ * width + index, -1, mask=index < width)
+        tl.store(work_ptr + MERGES * width + index, -1, mask=index < width)
+    tl.debug_barrier()
+    num_items = 0
+    num_merges = 0
+    for start in range(0, num_seqs, BLOCK):
+        index = start + tl.arange(0, BLOCK)
         valid = index < num_seqs
         lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
-        items, lengths = _items_of(lens, chunk, TILE_N)
+        items, item_len = _items_of(lens, chunk, ALIGN)
         items = tl.where(valid, items, 0)
-        ends = tl.cumsum(items, 0) + before
-        starts = ends - items
-        hit = valid & (starts <= item) & (item < ends)  # at most one lane, in one block
-        found = tl.sum(hit.to(tl.int32)) > 0
-        seq = tl.where(found, tl.sum(tl.where(hit, index, 0)), seq)
-        first = tl.where(found, tl.sum(tl.where(hit, starts, 0)), first)
-        count = tl.where(found, tl.sum(tl.where(hit, items, 0)), count)
-        item_len = tl.where(found, tl.sum(tl.where(hit, lengths, 0)), item_len)
-        seq_len = tl.where(found, tl.sum(tl.where(hit, lens, 0)), seq_len)
-        before += tl.sum(items)
-    return seq, first, count, item_len, seq_len
+        firsts = tl.cumsum(items, 0) - items + num_items
+        tl.store(work_ptr + SEQ_FIRST * width + index, firsts, mask=valid)
+        tl.store(work_ptr + SEQ_COUNT * width + index, items, mask=valid)
+        tl.store(work_ptr + SEQ_ITEM_LEN * width + index, item_len, mask=valid)
+        tl.store(work_ptr + ITEM_SEQ * width + firsts, index, mask=valid)
+        split = valid & (items > 1)
+        slots = tl.cumsum(split.to(tl.int32), 0) - 1 + num_merges
+        tl.store(work_ptr + MERGES * width + slots, index, mask=split)
+        num_items += tl.sum(items)
+        num_merges += tl.sum(split.to(tl.int32))
+    tl.debug_barrier()
+    so_far = -1
+    for start in range(0, width, BLOCK):
+        index = start + tl.arange(0, BLOCK)
+        marks = tl.load(work_ptr + ITEM_SEQ * width + index, mask=index < width, other=-1)
+        seq = tl.maximum(tl.associative_scan(marks, 0, _maximum), so_far)
+        so_far = tl.max(seq, 0)
+        in_plan = index < num_items
+        seq = tl.where(in_plan, seq, -1)
+        row = tl.maximum(seq, 0)
+        first = tl.load(work_ptr + SEQ_FIRST * width + row, mask=in_plan, other=0)
+        count = tl.load(work_ptr + SEQ_COUNT * width + row, mask=in_plan, other=0)
+        item_len = tl.load(work_ptr + SEQ_ITEM_LEN * width + row, mask=in_plan, other=0)
+        length = tl.load(seq_lens_ptr + row, mask=in_plan, other=0)
+        begin = (index - first) * item_len
+        tl.debug_barrier()  # every lane has read its marks before any is overwritten
+        stored = index < width
+        tl.store(work_ptr + ITEM_SEQ * width + index, seq, mask=stored)
+        tl.store(work_ptr + ITEM_START * width + index, begin, mask=stored)
+        tl.store(work_ptr + ITEM_END * width + index, tl.minimum(begin + item_len, length), mask=stored)
+        tl.store(work_ptr + ITEM_COUNT * width + index, count, mask=stored)
+
+
+def plan_decode_work(seq_lens: torch.Tensor, target_items: int, min_chunk_tokens: int, align: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The work list of a decode batch with these seq_lens [S] int32 (module docstring), into
+    `out` (int32 [WORK_FIELDS, S + target_items], e.g. a CUDA graph's static buffer) if given.
+    One small launch, no host synchronisation."""
+    if target_items < 1 or min_chunk_tokens < 1 or align < 1:
+        raise ValueError(f"target_items ({target_items}), min_chunk_tokens ({min_chunk_tokens}) "
+                         f"and align ({align}) must be >= 1")
+    width = max_items(seq_lens.shape[0], target_items)
+    if out is None:
+        out = torch.empty((WORK_FIELDS, width), dtype=torch.int32, device=seq_lens.device)
+    elif out.shape != (WORK_FIELDS, width) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"work list buffer must be contiguous int32 {(WORK_FIELDS, width)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    _plan_kernel[(1,)](seq_lens, out, seq_lens.shape[0], width, target_items, min_chunk_tokens,
+                       ALIGN=align, BLOCK=_BLOCK, num_warps=4, **pdl_launch(seq_lens))
+    return out
+
+
+def max_items(num_seqs: int, target_items: int) -> int:
+    """The bound on any batch's item count: the decode grid and the work list's width."""
+    return num_seqs + target_items
+
+
+def max_merges(target_items: int) -> int:
+    """The bound on any batch's split sequences: the merge grid."""
+    return max(target_items // 2, 1)
 
 
 @dataclass(frozen=True)
@@ -83,21 +148,16 @@ class WorkItem:
     end: int  # one past the last
 
 
-def plan(seq_lens: list[int], target_items: int, min_chunk: int, tile_n: int) -> list[WorkItem]:
-    """The kernel's items for `seq_lens`, in the kernel's order (host ints; tests, benchmarks)."""
+def plan(seq_lens: list[int], target_items: int, min_chunk: int, align: int) -> list[WorkItem]:
+    """The work list's items for `seq_lens`, in its order (host ints; tests, benchmarks)."""
     chunk = max(_cdiv(sum(seq_lens), target_items), min_chunk)
     items: list[WorkItem] = []
     for seq, length in enumerate(seq_lens):
         wanted = max(length // chunk, 1)
-        item_len = _cdiv(_cdiv(length, wanted), tile_n) * tile_n
+        item_len = _cdiv(_cdiv(length, wanted), align) * align
         count = _cdiv(length, item_len) if item_len else 1
         items += [WorkItem(seq, i * item_len, min((i + 1) * item_len, length)) for i in range(count)]
     return items
-
-
-def max_items(num_seqs: int, target_items: int) -> int:
-    """The grid's bound on any batch's item count (module docstring)."""
-    return num_seqs + target_items
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -162,17 +162,33 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per request over its paged context. q [S, Hq, D] -> [S, Hq, D]. The launch
-    depends on shapes only (CUDA-graph capturable for any mix of lengths)."""
+    """One query per request over its paged context. q [S, Hq, D] -> [S, Hq, D]. The launches
+    depend on shapes only (CUDA-graph capturable for any mix of lengths).
+
+    work: the step's work list from `plan_decode` (None: planned in this call)."""
     if backend_for(q) == "torch":
         result = reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
         return _into(out, result)
     from .paged_decode import paged_decode_triton
 
-    return paged_decode_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out=out
-    )
+    return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+                               work=work)
+
+
+def plan_decode(seq_lens: torch.Tensor, num_kv_heads: int,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The decode work list of a step's seq_lens [S] for a pool of num_kv_heads: how the batch's
+    KV is cut into equal items (kernels/decode_work.py). Computed once a step, read by every
+    layer's `paged_decode`; into `out` (a CUDA graph's buffer, this call's earlier result) if
+    given. None on the torch backend, which needs none."""
+    if backend_for(seq_lens) == "torch":
+        return None
+    from .paged_decode import plan_work
+
+    return plan_work(seq_lens, num_kv_heads, out=out)
 
 
 def paged_prefill(

@@ -1,48 +1,53 @@
-"""Triton paged decode: one query per sequence, split over work items, GQA packed, merged in place.
+"""Triton paged decode: one query per sequence over a work list of equal-sized items, GQA packed.
 
-Grid (max items, num_kv_heads). decode_work.py cuts the batch's KV into items of about equal
-size (a long sequence into many, a short one whole); program (i, h) finds its item i on the device,
-reads that token range of its sequence for KV head h, following the block table tile by tile, and
-computes all the query heads that share h at once (one dot of [group, D] x [D, tile]) so each K/V
-byte is read once. A sequence that is one item writes its output directly. Otherwise each item
-stores its normalised partial output and log-sum-exp, then counts itself in on the (sequence, KV
-head)'s arrival counter; the item that arrives last merges them all (in item order, so the result
-does not depend on which one that is), writes the output and resets the counter for the next
-launch. No second kernel, no host synchronisation, and a grid of shapes only, so one CUDA graph
-per batch size serves any mix of lengths. The counters are one set per device: decode launches
-must not run concurrently on two streams of one device (a worker runs its model on one).
+decode_work.py cuts the batch's KV into items of about equal size (a long sequence into many, a
+short one whole) and lists them once per step on the device. Stage 1, grid (items bound,
+num_kv_heads): program (i, h) reads item i's token range of its sequence for KV head h, following
+the block table tile by tile, and computes all the query heads that share h at once (one dot of
+[group, D] x [D, tile]) so each K/V byte is read once. An item that is its sequence's only one
+writes the output; the others store a normalised partial output and its log-sum-exp. Stage 2,
+grid (split-sequence bound, num_q_heads): each split sequence's head merges its items' partials
+by their log-sum-exp, all items in one load; entries past the batch's split sequences exit at
+once. Both grids depend on shapes only, so one CUDA graph per batch size serves any mix of
+lengths, and nothing is read on the host.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .decode_work import chunk_tokens, find_item, max_items
+from .decode_work import (
+    ITEM_COUNT,
+    ITEM_END,
+    ITEM_SEQ,
+    ITEM_START,
+    MERGES,
+    SEQ_COUNT,
+    SEQ_FIRST,
+    WORK_FIELDS,
+    max_merges,
+    plan_decode_work,
+)
 from .pdl import pdl_launch, wait_for_inputs
 from .triton_common import LOG2_E, dot, dot_mode, num_sms
 from .validation import check_decode_inputs, output_for
 
 
-# Ints that vary from step to step are left unspecialised, so a batch size or table width that
-# happens to be 1 or a multiple of 16 does not compile another variant mid-serving.
-@triton.jit(do_not_specialize=["num_seqs", "target_items", "min_chunk", "stride_table_seq"])
+# The block table's row stride and the work list's width vary from step to step: left
+# unspecialised, so a value that happens to be 1 or a multiple of 16 compiles no other variant.
+@triton.jit(do_not_specialize=["stride_table_seq", "work_width"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
-    seq_lens_ptr,
+    work_ptr,
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
-    arrivals_ptr,
-    num_seqs,
-    target_items,
-    min_chunk,
+    work_width,
     scale_log2,
     stride_q_seq,
     stride_q_head,
@@ -58,26 +63,20 @@ def _decode_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    SEQ_BLOCK: tl.constexpr,
-    MERGE_BLOCK: tl.constexpr,
     DOT_MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
-    num_kv_heads = tl.num_programs(1)
-    num_q_heads = num_kv_heads * GROUP
-
-    chunk = chunk_tokens(seq_lens_ptr, num_seqs, target_items, min_chunk, SEQ_BLOCK)
-    seq, first, count, item_len, seq_len = find_item(
-        seq_lens_ptr, num_seqs, item, chunk, TILE_N, SEQ_BLOCK
-    )
-    if seq >= num_seqs:
+    num_q_heads = tl.num_programs(1) * GROUP
+    seq = tl.load(work_ptr + ITEM_SEQ * work_width + item)
+    if seq < 0:  # past the batch's last item
         return
     seq = seq.to(tl.int64)
-    start = (item - first) * item_len
-    end = tl.minimum(start + item_len, seq_len)
+    start = tl.load(work_ptr + ITEM_START * work_width + item)
+    end = tl.load(work_ptr + ITEM_END * work_width + item)
+    count = tl.load(work_ptr + ITEM_COUNT * work_width + item)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -120,51 +119,54 @@ def _decode_kernel(
         out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partial_out [max items, Hq, DIM_PAD] fp32, partial_lse [max items, Hq] (log2).
+        # partial_out [items bound, Hq, DIM_PAD] fp32, partial_lse [items bound, Hq] (log2).
         lse_index = item.to(tl.int64) * num_q_heads + heads
         tl.store(partial_out_ptr + lse_index[:, None] * DIM_PAD + dims[None, :], result, mask=out_mask)
         tl.store(partial_lse_ptr + lse_index, m_i + tl.log2(l_i), mask=row_ok)
-        # Every thread's partial is stored before the counter moves; acq_rel at GPU scope makes
-        # them visible to whichever item arrives last, and theirs to it.
-        tl.debug_barrier()
-        counter = arrivals_ptr + seq * num_kv_heads + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == count - 1:
-            _merge_items(partial_out_ptr, partial_lse_ptr, out_ptr, seq, kv_head, first, count,
-                         num_q_heads, stride_out_seq, stride_out_head, GROUP, HEAD_DIM, DIM_PAD,
-                         MERGE_BLOCK)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
-def _merge_items(partial_out_ptr, partial_lse_ptr, out_ptr, seq, kv_head, first, count,
-                 num_q_heads, stride_out_seq, stride_out_head, GROUP: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MERGE_BLOCK: tl.constexpr):
-    """out[seq, h] for the GROUP query heads h of kv_head: the partials of items first..first+count-1
-    weighted by their log-sum-exp, MERGE_BLOCK items per load."""
+@triton.jit(do_not_specialize=["work_width"])
+def _merge_kernel(
+    work_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    work_width,
+    stride_out_seq,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    MERGE_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_inputs(USE_PDL)
+    seq = tl.load(work_ptr + MERGES * work_width + tl.program_id(0))
+    if seq < 0:  # past the batch's last split sequence
+        return
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    first = tl.load(work_ptr + SEQ_FIRST * work_width + seq)
+    count = tl.load(work_ptr + SEQ_COUNT * work_width + seq)
     dims = tl.arange(0, DIM_PAD)
-    for row in tl.static_range(GROUP):
-        head = kv_head * GROUP + row
-        m = tl.full([1], float("-inf"), tl.float32)
-        total = tl.zeros([1], tl.float32)
-        acc = tl.zeros([DIM_PAD], tl.float32)
-        for block in range(0, count, MERGE_BLOCK):
-            items = block + tl.arange(0, MERGE_BLOCK)
-            valid = items < count
-            index = (first + items).to(tl.int64) * num_q_heads + head
-            # .cg: the other items' partials were written by other SMs; skip this SM's L1.
-            lse = tl.load(partial_lse_ptr + index, mask=valid, other=float("-inf"),
-                          cache_modifier=".cg")
-            partial = tl.load(partial_out_ptr + index[:, None] * DIM_PAD + dims[None, :],
-                              mask=valid[:, None], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            alpha = tl.exp2(m - m_new)
-            weights = tl.exp2(lse - m_new)
-            total = total * alpha + tl.sum(weights, 0)
-            acc = acc * alpha + tl.sum(partial * weights[:, None], 0)
-            m = m_new
-        tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-                 (acc / total).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([DIM_PAD], tl.float32)
+    # One pass for up to MERGE_BLOCK items (every batch the default plan makes); more loop.
+    for block in range(0, count, MERGE_BLOCK):
+        items = block + tl.arange(0, MERGE_BLOCK)
+        valid = items < count
+        index = (first + items).to(tl.int64) * num_q_heads + head
+        lse = tl.load(partial_lse_ptr + index, mask=valid, other=float("-inf"))
+        partial = tl.load(partial_out_ptr + index[:, None] * DIM_PAD + dims[None, :],
+                          mask=valid[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        weights = tl.exp2(lse - m_new)
+        total = total * alpha + tl.sum(weights, 0)
+        acc = acc * alpha + tl.sum(partial * weights[:, None], 0)
+        m = m_new
+    tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + dims,
+             (acc / total).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 # Each item should stream at least this many tokens, or the merge costs more than it saves. On the
@@ -174,11 +176,9 @@ def _merge_items(partial_out_ptr, partial_lse_ptr, out_ptr, seq, kv_head, first,
 MIN_TOKENS_PER_ITEM = 128
 # Programs per multiprocessor to aim for, so memory latency is hidden by many loads in flight.
 TARGET_PROGRAMS_PER_SM = 4
-# Sequences a program reads at once when it looks for its item (more take a loop).
-SEQ_BLOCKS = (16, 128, 1024)
-MERGE_BLOCK = 32
-# Arrival counters per device: one per (sequence, KV head) of a launch.
-_MAX_ARRIVALS = 1 << 16
+# Items a merge program reads in one load: the default plan never gives a sequence more than
+# target_items + 1 (66 + 1 on the H200 at 8 KV heads).
+MERGE_BLOCK = 64
 
 
 def default_target_items(num_kv_heads: int, sm_count: int) -> int:
@@ -186,16 +186,15 @@ def default_target_items(num_kv_heads: int, sm_count: int) -> int:
     return max(TARGET_PROGRAMS_PER_SM * sm_count // num_kv_heads, 1)
 
 
-def seq_block(num_seqs: int) -> int:
-    """The SEQ_BLOCK variant a batch of num_seqs compiles (three in all: see warmup.py)."""
-    return next((b for b in SEQ_BLOCKS if num_seqs <= b), SEQ_BLOCKS[-1])
-
-
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The arrival counters of `device`: allocated once and kept, since captured CUDA graphs
-    hold their address; every launch leaves them at zero."""
-    return torch.zeros(_MAX_ARRIVALS, dtype=torch.int32, device=device)
+def plan_work(seq_lens: torch.Tensor, num_kv_heads: int, *, target_items: int | None = None,
+              min_chunk_tokens: int = MIN_TOKENS_PER_ITEM, align: int | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's decode work list (decode_work.py) with this kernel's defaults: computed once a
+    step and passed to every layer's `paged_decode_triton`."""
+    if target_items is None:
+        target_items = default_target_items(num_kv_heads, num_sms(seq_lens.device))
+    align = align or default_launch_config(0, torch.bfloat16)["tile_n"]
+    return plan_decode_work(seq_lens, target_items, min_chunk_tokens, align, out=out)
 
 
 def default_launch_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -217,18 +216,20 @@ def paged_decode_triton(
     scale: float,
     out: torch.Tensor | None = None,
     *,
+    work: torch.Tensor | None = None,
     target_items: int | None = None,
     min_chunk_tokens: int = MIN_TOKENS_PER_ITEM,
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Paged decode, q [S, Hq, D] -> [S, Hq, D]. No host synchronisation; the launch depends on
+    """Paged decode, q [S, Hq, D] -> [S, Hq, D]. No host synchronisation; the launches depend on
     shapes only.
 
-    target_items (items per KV head the batch's KV is cut into; default: enough to fill the
-    card, `default_target_items`; 1: no sequence is split), min_chunk_tokens, tile_n, num_warps and
-    num_stages override the tuned defaults (benchmarks and tests).
+    work: the step's work list from `plan_work(seq_lens, ...)`; without one it is planned here
+    (one more small launch) with target_items (items per KV head; default: enough to fill the
+    card; 1: no sequence is split) and min_chunk_tokens. tile_n, num_warps and num_stages
+    override the tuned launch config (benchmarks and tests).
     """
     check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -236,35 +237,30 @@ def paged_decode_triton(
     out = output_for(q, out)
     if num_seqs == 0:
         return out
-    if num_seqs * num_kv_heads > _MAX_ARRIVALS:
-        raise ValueError(f"{num_seqs} sequences x {num_kv_heads} KV heads exceed the decode "
-                         f"kernel's {_MAX_ARRIVALS} arrival counters")
-    if target_items is None:
-        target_items = default_target_items(num_kv_heads, num_sms(q.device))
-    if target_items < 1 or min_chunk_tokens < 1:
-        raise ValueError(f"target_items ({target_items}) and min_chunk_tokens "
-                         f"({min_chunk_tokens}) must be >= 1")
     config = default_launch_config(head_dim, q.dtype)
     tile_n = tile_n or config["tile_n"]
+    if work is None:
+        work = plan_work(seq_lens, num_kv_heads, target_items=target_items,
+                         min_chunk_tokens=min_chunk_tokens, align=tile_n)
+    width = work.shape[1]
+    if work.dtype != torch.int32 or work.shape[0] != WORK_FIELDS or width <= num_seqs \
+            or work.device != q.device or not work.is_contiguous():
+        raise ValueError(f"work must be plan_work's contiguous int32 [{WORK_FIELDS}, > {num_seqs}] "
+                         f"list on {q.device}, got {work.dtype} {tuple(work.shape)} on {work.device}")
     group = num_q_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
-    grid_items = max_items(num_seqs, target_items)
-    partial_out = torch.empty((grid_items, num_q_heads, dim_pad), dtype=torch.float32,
-                              device=q.device)
-    partial_lse = torch.empty((grid_items, num_q_heads), dtype=torch.float32, device=q.device)
-    _decode_kernel[(grid_items, num_kv_heads)](
+    partial_out = torch.empty((width, num_q_heads, dim_pad), dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty((width, num_q_heads), dtype=torch.float32, device=q.device)
+    _decode_kernel[(width, num_kv_heads)](
         q,
         k_cache,
         v_cache,
         block_tables,
-        seq_lens,
+        work,
         out,
         partial_out,
         partial_lse,
-        _arrivals(q.device),
-        num_seqs,
-        target_items,
-        min_chunk_tokens,
+        width,
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -281,11 +277,23 @@ def paged_decode_triton(
         DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
-        SEQ_BLOCK=seq_block(num_seqs),
-        MERGE_BLOCK=MERGE_BLOCK,
         DOT_MODE=dot_mode(q),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
+        **pdl_launch(q),
+    )
+    _merge_kernel[(max_merges(width - num_seqs), num_q_heads)](
+        work,
+        partial_out,
+        partial_lse,
+        out,
+        width,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        MERGE_BLOCK=MERGE_BLOCK,
+        num_warps=4,
         **pdl_launch(q),
     )
     return out

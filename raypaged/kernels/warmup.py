@@ -1,9 +1,9 @@
 """Compile the attention kernels' variants before the first request needs them.
 
 Triton compiles a kernel per combination of its compile-time parameters on first use, which on
-the H200 costs around a second each. Decode's block of sequences searched at once (three sizes, by
-batch size) is one, and the prefill kernel's source of new keys/values is another;
-a server meeting them one by one under load stalls every running request meanwhile (the first
+the H200 costs around a second each. Decode compiles once (its work list, the kernel and the
+merge: nothing in them varies with the batch), the prefill kernel once per source of new
+keys/values and kind of token count; a server meeting them one by one under load stalls every running request meanwhile (the first
 serving rate measured on the H200 queued up to 52 requests behind such stalls). The worker runs
 this once at start-up, on the real KV pool of one layer, with the step's shapes reduced to
 a few tokens. What it compiles lands in Triton's disk cache too.
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .paged_decode import SEQ_BLOCKS, paged_decode_triton
+from .paged_decode import paged_decode_triton
 from .paged_prefill import paged_prefill_triton
 
 # Token counts whose TMA descriptors differ in what Triton specialises on (1, a multiple of 16,
@@ -24,18 +24,17 @@ _PREFILL_TOKENS = (1, 16, 17)
 
 
 def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int) -> float:
-    """Run decode at every batch-size variant and prefill at each kind of token count, with and
+    """Run decode once and prefill at each kind of token count, with and
     without the step's own keys/values, over block 0 of this pool (read only; outputs discarded).
     Returns the seconds it took."""
     start = time.perf_counter()
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
     scale = head_dim ** -0.5
-    for num_seqs in SEQ_BLOCKS:
-        q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device)
-        table = torch.zeros(num_seqs, 1, dtype=torch.int32, device=device)
-        seq_lens = torch.full((num_seqs,), block_size, dtype=torch.int32, device=device)
-        paged_decode_triton(q, k_cache, v_cache, table, seq_lens, scale)
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    paged_decode_triton(q, k_cache, v_cache, table, seq_lens, scale)
     for num_tokens in _PREFILL_TOKENS:
         q = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
         new = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)

@@ -27,6 +27,8 @@ class AttentionMetadata:
     num_decodes: int  # requests 0..num_decodes-1 have exactly one new token
     num_decode_tokens: int  # == num_decodes; kept separate for the kernels' sake
     max_query_len: int  # host int: the longest request's new tokens
+    # The decode part's work list (ops.plan_decode), once a step; None: every layer plans its own.
+    decode_work: torch.Tensor | None = None
 
     # The prefill part's views, computed once here rather than in every layer.
     prefill_block_tables: torch.Tensor = field(init=False, repr=False)
@@ -53,6 +55,12 @@ class AttentionMetadata:
         self.prefill_block_tables = self.block_tables[d:]
         self.prefill_seq_lens = self.seq_lens[d:]
         self.prefill_query_start_loc = self.query_start_loc[d:] - self.num_decode_tokens
+
+    def plan_decode(self, num_kv_heads: int, out: torch.Tensor | None = None) -> None:
+        """Compute the decode part's work list for the step (`decode_work`), into `out` if given."""
+        if self.num_decodes:
+            self.decode_work = ops.plan_decode(self.seq_lens[: self.num_decodes], num_kv_heads,
+                                               out=out)
 
     @property
     def num_seqs(self) -> int:
@@ -104,6 +112,7 @@ class PagedAttention(nn.Module):
                 meta.seq_lens[: meta.num_decodes],
                 self.scale,
                 out=out[:num_decode_tokens],
+                work=meta.decode_work,
             )
         if meta.num_prefills:
             ops.paged_prefill(

@@ -64,6 +64,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.work: dict[int, torch.Tensor] = {}  # per size: the decode work list's buffer
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -79,13 +80,22 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         # Largest first, so the smaller graphs fit in the memory pool the largest reserved.
         for size in reversed(self.sizes):
-            args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size))
-            graph, self.outputs[size] = capture_graph(functools.partial(self.model, *args), pool, stream)
+            graph, self.outputs[size] = capture_graph(functools.partial(self._forward, size), pool,
+                                                      stream)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
         return pool
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """What a graph holds: the step's decode work list (planned on the device from the
+        static seq_lens, so a replay re-plans for the lengths copied in), then the model."""
+        metadata = self._metadata(size)
+        metadata.plan_decode(self.kv_caches[0][0].shape[2], out=self.work.get(size))
+        if metadata.decode_work is not None:
+            self.work[size] = metadata.decode_work
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, metadata)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         return metadata.num_decodes == metadata.num_seqs and metadata.num_seqs <= self.sizes[-1]

@@ -241,11 +241,14 @@ class ModelRunner:
         # attention calls. Larger steps (GPU-bound prefills): eager.
         if self.decode_graphs is not None and self.decode_graphs.can_run(step.metadata):
             hidden = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
-        elif (self.piecewise_graphs is not None
-              and self.piecewise_graphs.can_run(step.input_ids.shape[0])):
-            hidden = self.piecewise_graphs.run(step.input_ids, step.positions, step.metadata)
         else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+            # The decode graphs plan their own; here one work list serves every layer.
+            step.metadata.plan_decode(self.kv_caches[0][0].shape[2])
+            if (self.piecewise_graphs is not None
+                    and self.piecewise_graphs.can_run(step.input_ids.shape[0])):
+                hidden = self.piecewise_graphs.run(step.input_ids, step.positions, step.metadata)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         row_states = step.row_states
         logits = None
         if row_states:

@@ -166,7 +166,7 @@ class Worker:
             from raypaged.kernels.warmup import warm_up_attention
 
             seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size)
-            logger.info("attention kernels compiled for every batch-size variant in %.1f s", seconds)
+            logger.info("attention kernels compiled in %.1f s", seconds)
 
     def _loaded_model(self) -> LlamaForCausalLM:
         if self.model is None:

@@ -1,4 +1,5 @@
-"""The Triton paged decode kernel and its work plan (decode_work.py) against the torch reference.
+"""The Triton paged decode kernel and its work list (decode_work.py): the list computed on the
+device against the host's `plan`, the kernel against the torch reference.
 
 The kernel is checked on mixed-length batches cut into many items (small min_chunk_tokens and
 tiles, so a few hundred tokens already make dozens of items under the interpreter), on batches
@@ -14,8 +15,9 @@ import random
 import pytest
 import torch
 
-from raypaged.kernels.decode_work import max_items, plan
-from raypaged.kernels.paged_decode import MERGE_BLOCK, default_target_items, paged_decode_triton
+from raypaged.kernels import decode_work
+from raypaged.kernels.decode_work import max_items, max_merges, plan, plan_decode_work
+from raypaged.kernels.paged_decode import MERGE_BLOCK, default_target_items, paged_decode_triton, plan_work
 from raypaged.kernels.reference import paged_decode_ref
 from raypaged.kernels.testing import check_against_reference, random_paged_batch, relative_error_per_row
 from tests.support.kernel_checks import ODD_LENS, check_decode
@@ -40,6 +42,7 @@ def test_plan_covers_every_token_once_within_the_grid_bound(seed):
     target, min_chunk, tile = rng.choice([1, 3, 16, 66, 500]), rng.choice([1, 16, 128]), 16
     items = plan(lens, target, min_chunk, tile)
     assert len(items) <= max_items(len(lens), target)
+    assert sum(len([i for i in items if i.seq == s]) > 1 for s in range(len(lens))) <= max_merges(target)
     chunk = max(-(-sum(lens) // target), min_chunk)
     for seq, length in enumerate(lens):
         own = [i for i in items if i.seq == seq]
@@ -56,6 +59,41 @@ def test_plan_splits_a_lone_long_sequence_and_leaves_a_uniform_batch_whole():
     assert len(plan([200], 66, 128, 64)) == 1  # too short to be worth a split
     mixed = plan([500] * 63 + [32768], 66, 128, 64)
     assert sum(i.seq == 63 for i in mixed) >= 16  # the long one is shared out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_device_work_list_is_the_host_plan(seed):
+    rng = random.Random(100 + seed)
+    lens = mixed_lengths(rng, rng.randint(1, 30), rng.choice([1, 400, 3000]))
+    if seed == 1:
+        lens[0] = 0
+    target, min_chunk, align = rng.choice([1, 5, 40]), rng.choice([1, 16, 128]), rng.choice([16, 64])
+    work = plan_decode_work(torch.tensor(lens, dtype=torch.int32), target, min_chunk, align)
+    expected = plan(lens, target, min_chunk, align)
+    n = len(expected)
+    assert work[decode_work.ITEM_SEQ, :n].tolist() == [i.seq for i in expected]
+    assert work[decode_work.ITEM_START, :n].tolist() == [i.start for i in expected]
+    assert work[decode_work.ITEM_END, :n].tolist() == [i.end for i in expected]
+    counts = [sum(i.seq == s for i in expected) for s in range(len(lens))]
+    assert work[decode_work.ITEM_COUNT, :n].tolist() == [counts[i.seq] for i in expected]
+    assert work[decode_work.ITEM_SEQ, n:].eq(-1).all()  # the grid's spare programs exit
+    split = [s for s, c in enumerate(counts) if c > 1]
+    assert len(split) <= max_merges(target)
+    assert work[decode_work.MERGES, :len(split)].tolist() == split
+    assert work[decode_work.MERGES, len(split):].eq(-1).all()
+    firsts = [next(k for k, i in enumerate(expected) if i.seq == s) for s in range(len(lens))]
+    assert work[decode_work.SEQ_FIRST, :len(lens)].tolist() == firsts
+    assert work[decode_work.SEQ_COUNT, :len(lens)].tolist() == counts
+
+
+def test_a_batch_longer_than_one_plan_block_is_listed_in_order():
+    lens = [1 + (7 * s) % 50 for s in range(1500)]  # more sequences than the plan's 1,024 a pass
+    lens[1200] = 90000
+    work = plan_decode_work(torch.tensor(lens, dtype=torch.int32), 66, 128, 64)
+    expected = plan(lens, 66, 128, 64)
+    assert work[decode_work.ITEM_SEQ, :len(expected)].tolist() == [i.seq for i in expected]
+    assert work[decode_work.ITEM_START, :len(expected)].tolist() == [i.start for i in expected]
+    assert work[decode_work.MERGES, :2].tolist() == [1200, -1]
 
 
 def test_default_target_fills_the_card():
@@ -86,8 +124,8 @@ def test_decode_random_mixed_batches_cut_into_many_items(seed):
 
 
 def test_decode_more_items_than_one_merge_load_and_the_grid_bound_met():
-    # 2,000 tokens into items of 32: 63 for one sequence, more than a merge block holds.
-    lens, target = [5, 2000], 100
+    # 4,000 tokens into items of 32: 125 for one sequence, more than a merge load takes.
+    lens, target = [5, 4000], 200
     assert len([i for i in plan(lens, target, 16, 16) if i.seq == 1]) > MERGE_BLOCK
     check_decode(lens, 2, block_size=32, target_items=target, **SMALL)
     # Empty sequences beside one that holds all the tokens: one short of the grid's bound.
@@ -119,14 +157,28 @@ def test_decode_empty_request_gives_zeros_split_or_whole():
         assert torch.isfinite(out[1:]).all()
 
 
-def test_decode_counters_are_left_at_zero_for_the_next_launch():
-    # Two launches of a split batch in a row: a counter left behind would merge the second early.
-    batch = random_paged_batch([300, 40], 2, 64, 16)
+def test_one_work_list_serves_every_layer_of_a_step():
+    # plan_work once, then launches with other queries and pools (the layers) over the same list.
+    lens = [300, 40, 0, 129]
+    gen = torch.Generator().manual_seed(5)
+    work = None
+    for layer in range(2):
+        batch = random_paged_batch(lens, 2, 64, 16, generator=gen)
+        if work is None:
+            work = plan_work(batch.seq_lens, 2, target_items=8, min_chunk_tokens=16, align=16)
+        q = torch.randn(4, 4, 64, generator=gen)
+        args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+        out = paged_decode_triton(q, *args, work=work, tile_n=16)
+        assert relative_error_per_row(out, paged_decode_ref(q, *args)).max() <= 1e-4, layer
+
+
+def test_a_work_list_of_the_wrong_shape_is_refused():
+    batch = random_paged_batch([30, 3], 2, 64, 16)
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
-    for seed in (1, 2):
-        q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(seed))
-        out = paged_decode_triton(q, *args, target_items=8, **SMALL)
-        assert relative_error_per_row(out, paged_decode_ref(q, *args)).max() <= 1e-4
+    with pytest.raises(ValueError, match="work must be"):
+        paged_decode_triton(torch.randn(2, 4, 64), *args, work=torch.zeros(3, 9, dtype=torch.int32))
+    with pytest.raises(ValueError, match="buffer must be"):
+        plan_decode_work(batch.seq_lens, 4, 16, 16, out=torch.zeros(8, 5, dtype=torch.int32))
 
 
 def test_decode_reads_strided_queries_and_writes_strided_out():
