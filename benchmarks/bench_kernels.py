@@ -23,7 +23,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.lib import common
+from benchmarks.lib.common import L2_BYTES, graph_time, log
 from raypaged.kernels.paged_decode import (
     choose_num_splits,
     default_launch_config,
@@ -57,41 +57,8 @@ PREFILL_TOKENS = [4096, 8192]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 SCALE = HEAD_DIM**-0.5
-L2_BYTES = 60 * 2**20
 TARGETS = {"decode_64x4096_frac_copy": 0.90, "decode_1x32768_frac_copy": 0.75,
            "paging_cost_max": 0.03, "prefill_vs_sdpa_min": 0.8}
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
-
-
-def graph_time(fn, variants: int, calls: int = 20, replays: int = 25) -> float:
-    """Seconds per fn(i) call: `calls` calls (cycling i over `variants`) captured in one graph."""
-    # Warm up (compile, autotune, workspaces) on a side stream, as graph capture requires.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(variants):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % variants)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:
