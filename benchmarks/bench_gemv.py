@@ -22,14 +22,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_kernels import (
+from benchmarks.lib.common import (
     L2_BYTES,
+    SHAPES,
+    add_replot_argument,
     copy_bandwidth,
+    device_tag,
     environment,
     graph_time,
     log,
+    replot,
 )
-from benchmarks.lib.common import SHAPES, add_replot_argument, device_tag, replot
 from raypaged.kernels import gemv_table
 from raypaged.kernels.gemv import gemv_triton, padded_rows
 
@@ -167,7 +170,7 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     result = {"env": environment(), "shape": args.shape, "tp": args.tp,
-              "copy_TBps": copy_bandwidth() / 1e12,
+              "copy_TBps": copy_bandwidth(torch.device("cuda")) / 1e12,
               "sweeps": {}, "rows": []}
     log(result["env"], f"copy {result['copy_TBps']:.3f} TB/s")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,433 +1,305 @@
-"""Paged-attention kernels on a GPU: check correctness, then time against the card's ceilings.
+"""Paged attention kernels against FlashInfer, torch SDPA and the card's copy bandwidth: every
+implementation checked on the tensors it is timed on, then timed, in one run.
 
-    python -m benchmarks.bench_kernels [--tune decode,prefill] [--out DIR]
+    python -m benchmarks.bench_kernels [--cases NAME,...] [--peers flashinfer,sdpa] [--out DIR]  # GPU
+    python -m benchmarks.bench_kernels --tune decode,prefill --cases NAME   # also sweep raypaged's configs
+    TRITON_INTERPRET=1 python -m benchmarks.bench_kernels --smoke --out /tmp/k  # CPU: the code paths
+    python -m benchmarks.bench_kernels --replot benchmarks/results/kernels_h200.json
 
-Decode (32 q / 8 kv heads, head dim 128, bf16, block 16) at (batch, context) in DECODE_CASES:
-achieved bandwidth = bytes that must move (K and V of every context token once, q and out once,
-block table) / time, against a device-to-device copy measured in the same run (read + write
-bytes / time), against torch SDPA on contiguous KV and against the same Triton kernel on
-contiguous KV (identity block table). Decode launches are timed as CUDA-graph replays (as a
-server runs them), rotating over enough distinct batches that the working set is >= 4x L2.
-Prefill: TFLOP/s of causal attention over 4k and 8k fresh tokens, against SDPA; the kernel gets
-the step's own k/v as the attention layer passes them (paged_prefill.CUDA_DEFAULT decides the path).
+Cases (benchmarks/lib/attention_cases.py): decode in bf16 on uniform batches and on mixed-length
+batches drawn with fixed seeds, over GQA group, head dim and block size; prefill on fresh
+sequences and on batches extending a cached prefix. Implementations: raypaged's
+paged_decode_triton / paged_prefill_triton with their defaults; FlashInfer's
+BatchDecodeWithPagedKVCacheWrapper (CUDA-core and tensor-core kernels) and
+BatchPrefillWithPagedKVCacheWrapper on the same pool and block tables; torch SDPA on contiguous
+copies of the same K/V where one dense tensor holds the batch (uniform decode, fresh prefill).
 
---tune decode,prefill also sweeps tile sizes, warps, stages (and split counts) and records every
-timing.
-Writes kernels_<device>.json and .png under --out; prints a table last.
+Correctness first: each implementation's output over every rotation variant it is timed on,
+against the fp32 reference (raypaged.kernels.testing.check_against_reference), with NaN in every
+slot it must not read. One that raises or fails is recorded so (status "error" / "wrong") and has
+no time. Timing: decode as CUDA-graph replays of 20 calls rotating over enough distinct batches
+that >= 4x L2 is read (FlashInfer's wrappers in their CUDA-graph mode, planned once per batch
+outside the graph); prefill with triton.testing.do_bench (L2 flushed between calls) for every
+implementation. FlashInfer compiles its modules in one build before any case runs.
+Figures per case and the issue's targets: benchmarks/lib/attention_report.py. Writes
+kernels_<device>.json (after every case, so a run cut short keeps what it measured) and .png
+under --out; prints a table last. --smoke: tiny cases on the CPU interpreter, one call per
+"timing", no FlashInfer; checks the benchmark's code, measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import platform
-import statistics
-import subprocess
 import sys
+import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
 from benchmarks.lib import common
-from raypaged.kernels.paged_decode import (
-    choose_num_splits,
-    default_launch_config,
-    paged_decode_triton,
+from benchmarks.lib.attention_cases import (
+    DECODE_CASES,
+    PREFILL_CASES,
+    SMOKE_DECODE_CASES,
+    SMOKE_PREFILL_CASES,
+    DecodeBatch,
+    DecodeCase,
+    Kernel,
+    PrefillBatch,
+    PrefillCase,
 )
+from benchmarks.lib.attention_peers import FlashInfer, sdpa_decode, sdpa_prefill
+from benchmarks.lib.attention_report import PEERS, TARGETS, add_figures, plot, table, targets_met
+from benchmarks.lib.common import log
+from raypaged.kernels.paged_decode import paged_decode_triton
 from raypaged.kernels.paged_prefill import CUDA_DEFAULT as PREFILL_VARIANT
-from raypaged.kernels.paged_prefill import (
-    default_launch_config as prefill_launch_config,
-)
+from raypaged.kernels.paged_prefill import default_launch_config as prefill_launch_config
 from raypaged.kernels.paged_prefill import paged_prefill_triton
-from raypaged.kernels.reference import paged_decode_ref, paged_prefill_ref
-from raypaged.kernels.testing import (
-    check_against_reference,
-    query_start_loc,
-    random_paged_batch,
-)
-from raypaged.kernels.triton_common import num_sms
+from raypaged.kernels.testing import check_against_reference
 
-DECODE_CASES = [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]
-PREFILL_TOKENS = [4096, 8192]
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-SCALE = HEAD_DIM**-0.5
-L2_BYTES = 60 * 2**20
-TARGETS = {"decode_64x4096_frac_copy": 0.90, "decode_1x32768_frac_copy": 0.75,
-           "paging_cost_max": 0.03, "prefill_vs_sdpa_min": 0.8}
+DECODE_SWEEP = [{"tile_n": t, "num_warps": w, "num_stages": s} for t in (32, 64, 128) for w in (4, 8)
+                for s in (2, 3, 4)]
+PREFILL_SWEEP = [
+    {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s, "pack_gqa": pack}
+    for m, n, w, s, pack in [(128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 4, 4, False),
+                             (128, 32, 4, 4, False), (128, 64, 4, 2, False), (64, 128, 4, 3, False),
+                             (128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 64, 4, 3, True),
+                             (64, 64, 4, 3, True), (128, 32, 4, 4, True), (256, 64, 8, 2, True)]
+]
 
 
-def log(*args) -> None:
-    print(*args, flush=True)
+class Timer:
+    """Seconds per call of a kernel. On a GPU: decode by common.graph_time, prefill by do_bench's
+    median.
+    --smoke: the wall time of one call, which proves the path runs and measures nothing."""
+
+    def __init__(self, smoke: bool) -> None:
+        self.smoke = smoke
+
+    def __call__(self, kernel: Kernel, variants: int, section: str) -> float:
+        if self.smoke:
+            start = time.perf_counter()
+            kernel.run(0)
+            return time.perf_counter() - start
+        if section == "decode":
+            return common.graph_time(kernel.run, variants)
+        return do_bench(lambda: kernel.run(0), warmup=50, rep=400, return_mode="median") / 1e3
 
 
-def graph_time(fn, variants: int, calls: int = 20, replays: int = 25) -> float:
-    """Seconds per fn(i) call: `calls` calls (cycling i over `variants`) captured in one graph."""
-    # Warm up (compile, autotune, workspaces) on a side stream, as graph capture requires.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(variants):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % variants)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (common.copy_bandwidth)."""
-    return common.copy_bandwidth(torch.device("cuda"))
-
-
-class DecodeCase:
-    """One (batch, context) point: paged and contiguous pools, SDPA tensors, rotating variants."""
-
-    def __init__(self, batch: int, context: int, layout: str = "separate"):
-        self.batch, self.context = batch, context
-        kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
-        self.variants = max(1, math.ceil(4 * L2_BYTES / kv_bytes))
-        lens = [context] * (batch * self.variants)
-        self.paged = random_paged_batch(lens, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE, "cuda",
-                                        pool_factor=4, layout=layout)
-        self.q = torch.randn((len(lens), NUM_Q_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
-        self.out = torch.empty_like(self.q)
-        self.bytes = (kv_bytes + 2 * batch * NUM_Q_HEADS * HEAD_DIM * DTYPE.itemsize
-                      + batch * math.ceil(context / BLOCK_SIZE) * 4 + batch * 4)
-
-    def rows(self, i: int) -> slice:
-        return slice(i * self.batch, (i + 1) * self.batch)
-
-    def run_paged(self, batch, i: int, **config):
-        r = self.rows(i)
-        return paged_decode_triton(self.q[r], batch.k_cache, batch.v_cache, batch.block_tables[r],
-                                   batch.seq_lens[r], SCALE, out=self.out[r],
-                                   max_seq_len=self.context, **config)
-
-    def check(self, batch, **config) -> float:
-        r = self.rows(0)
-        out = self.run_paged(batch, 0, **config).clone()
-        args = (batch.k_cache, batch.v_cache, batch.block_tables[r], batch.seq_lens[r], SCALE)
-        return check_against_reference(
-            out, lambda cd: paged_decode_ref(self.q[r], *args, compute_dtype=cd), DTYPE
-        )
-
-    def time_paged(self, batch, **config) -> float:
-        return graph_time(lambda i: self.run_paged(batch, i, **config), self.variants)
-
-
-def bench_decode(case: DecodeCase, copy_bw: float, tune: bool) -> dict:
-    b, ctx = case.batch, case.context
-    splits = choose_num_splits(b, NUM_KV_HEADS, ctx, num_sms(torch.device("cuda")))
-    row = {"batch": b, "context": ctx, "bytes": case.bytes, "num_splits": splits,
-           "config": default_launch_config(HEAD_DIM, DTYPE)}
-    row["max_rel_err"] = case.check(case.paged)
-
-    contiguous = random_paged_batch([ctx] * b * case.variants, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                    DTYPE, "cuda", pool_factor=1, contiguous=True)
-    row["contiguous_max_rel_err"] = case.check(contiguous)
-    # SDPA on contiguous [B, Hkv, ctx, D], two ways, the faster one is the baseline: the query
-    # heads of a KV head as its query rows, or one query row per head with enable_gqa (which
-    # lets the flash backend split the context for small batches).
-    keys = torch.stack(contiguous.keys).transpose(1, 2).contiguous()
-    values = torch.stack(contiguous.values).transpose(1, 2).contiguous()
-    contiguous.keys = contiguous.values = []
-    group = NUM_Q_HEADS // NUM_KV_HEADS
-
-    def sdpa_folded(i: int) -> torch.Tensor:
-        r = case.rows(i)
-        q4 = case.q[r].view(b, NUM_KV_HEADS, group, HEAD_DIM)
-        return F.scaled_dot_product_attention(q4, keys[r], values[r], scale=SCALE).reshape(
-            b, NUM_Q_HEADS, HEAD_DIM)
-
-    def sdpa_enable_gqa(i: int) -> torch.Tensor:
-        r = case.rows(i)
-        q4 = case.q[r].view(b, NUM_Q_HEADS, 1, HEAD_DIM)
-        return F.scaled_dot_product_attention(q4, keys[r], values[r], scale=SCALE,
-                                              enable_gqa=True).reshape(b, NUM_Q_HEADS, HEAD_DIM)
-
-    r0 = case.rows(0)
-    args = (contiguous.k_cache, contiguous.v_cache, contiguous.block_tables[r0], contiguous.seq_lens[r0], SCALE)
-    row["sdpa_variants_s"], row["sdpa_max_rel_err"] = {}, 0.0
-    for name, fn in [("folded_gqa", sdpa_folded), ("enable_gqa", sdpa_enable_gqa)]:
-        try:
-            err = check_against_reference(
-                fn(0), lambda cd: paged_decode_ref(case.q[r0], *args, compute_dtype=cd), DTYPE)
-            row["sdpa_max_rel_err"] = max(row["sdpa_max_rel_err"], err)
-            row["sdpa_variants_s"][name] = graph_time(fn, case.variants)
-        except Exception as exc:  # noqa: BLE001
-            row["sdpa_variants_s"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-
-    row["paged_s"] = case.time_paged(case.paged)
-    row["contiguous_s"] = case.time_paged(contiguous)
-    row["sdpa_s"] = min(t for t in row["sdpa_variants_s"].values() if isinstance(t, float))
-    row["paged_repeat_s"] = case.time_paged(case.paged)  # the spread between two timings = noise
-    for name in ("paged", "contiguous", "sdpa"):
-        row[f"{name}_TBps"] = case.bytes / row[f"{name}_s"] / 1e12
-        row[f"{name}_frac_copy"] = case.bytes / row[f"{name}_s"] / copy_bw
-    row["paging_cost"] = row["paged_s"] / row["contiguous_s"] - 1
-    if tune:
-        row["sweep"] = sweep_decode(case, splits)
-    keys = values = contiguous = None  # the contiguous copies go before the next case
-    return row
-
-
-def sweep_decode(case: DecodeCase, splits: int) -> list[dict]:
-    results = []
-    for tile_n in (32, 64, 128):
-        for num_warps in (4, 8):
-            for num_stages in (2, 3, 4):
-                config = {"tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages,
-                              "num_splits": splits}
-                results.append(time_config(case, config))
-    best = min(results, key=lambda r: r.get("seconds", math.inf))
-    for factor in (0.25, 0.5, 2, 4):
-        n = int(splits * factor)
-        if 1 <= n <= 128 and n != splits:
-            results.append(time_config(case, {**best["config"], "num_splits": n}))
-    return results
-
-
-def time_config(case: DecodeCase, config: dict) -> dict:
+def measure(build: Callable[[], Kernel], batch: DecodeBatch | PrefillBatch, timer: Timer, section: str) -> dict:
+    """Check one implementation on every variant of the batch, then time it. A build or call that
+    raises is status "error", a wrong output "wrong"; neither gets a time."""
     try:
-        case.check(case.paged, **config)
-        seconds = graph_time(lambda i: case.run_paged(case.paged, i, **config), case.variants,
-                             calls=10, replays=10)
-        return {"config": config, "seconds": seconds, "TBps": case.bytes / seconds / 1e12}
-    except Exception as exc:  # noqa: BLE001 - a config that fails to compile or to fit is recorded, not fatal
-        return {"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        kernel = build()
+        batch.out.fill_(float("nan"))  # what an implementation leaves unwritten fails the check
+        out = torch.cat([kernel.to_tokens(kernel.run(i)) for i in range(batch.variants)])
+    except Exception as exc:  # noqa: BLE001 - recorded; the other implementations still run
+        return {"status": "error", "detail": error_text(exc)}
+    try:
+        row: dict = {"max_rel_err": check_against_reference(out, batch.reference, batch.dtype)}
+    except AssertionError as exc:
+        return {"status": "wrong", "detail": str(exc)}
+    try:
+        row["seconds"] = timer(kernel, batch.variants, section)
+    except Exception as exc:  # noqa: BLE001
+        return {**row, "status": "error", "detail": "timing: " + error_text(exc)}
+    return {"status": "ok", **row}
 
 
-def bench_prefill(tokens: int, tune: bool) -> dict:
-    batch = random_paged_batch([tokens], NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE, "cuda")
-    q = torch.randn((tokens, NUM_Q_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
-    args = (batch.k_cache, batch.v_cache, batch.block_tables, query_start_loc([tokens], "cuda"),
-            batch.seq_lens, SCALE)
-    flops = 4 * NUM_Q_HEADS * HEAD_DIM * tokens * (tokens + 1) / 2  # two matmuls, causal half
-    # The step's own k/v, as the attention layer passes them: the default config decides
-    # whether the new tokens are read from them or through the block table.
-    step_kv = {"k_new": batch.keys[0], "v_new": batch.values[0]}
-    row = {"tokens": tokens, "flops": flops, "variant": PREFILL_VARIANT,
-           "config": prefill_launch_config(HEAD_DIM, DTYPE, q.device)}
-    row["max_rel_err"] = check_against_reference(
-        paged_prefill_triton(q, *args, **step_kv),
-        lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), DTYPE)
-    out = torch.empty_like(q)
-    row["triton_s"] = do_bench(lambda: paged_prefill_triton(q, *args, out=out, **step_kv),
-                               warmup=50, rep=400, return_mode="median") / 1e3
+def raypaged_decode(batch: DecodeBatch, **config: Any) -> Kernel:
+    p = batch.paged
 
-    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, T, D]
-    k4 = torch.stack(batch.keys).permute(0, 2, 1, 3).contiguous()  # [1, Hkv, T, D]
-    v4 = torch.stack(batch.values).permute(0, 2, 1, 3).contiguous()
-    group = NUM_Q_HEADS // NUM_KV_HEADS
-    k_full, v_full = k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1)
-    sdpa_variants = {
-        "expanded_kv": lambda: F.scaled_dot_product_attention(q4, k_full, v_full, is_causal=True, scale=SCALE),
-        "enable_gqa": lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=SCALE,
-                                                             enable_gqa=True),
-    }
-    row["sdpa_variants_s"] = {}
-    for name, fn in sdpa_variants.items():
+    def run(i: int) -> torch.Tensor:
+        rows = batch.rows(i)
+        return paged_decode_triton(batch.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows],
+                                   batch.scale, out=batch.out[rows], max_seq_len=batch.max_seq_len, **config)
+
+    return Kernel(run)
+
+
+def raypaged_prefill(batch: PrefillBatch, **config: Any) -> Kernel:
+    # The step's own k/v, as the attention layer passes them: the default config decides whether
+    # the new tokens are read from them or through the block table.
+    return Kernel(lambda i: paged_prefill_triton(batch.q, *batch.args, out=batch.out, k_new=batch.k_new,
+                                                 v_new=batch.v_new, **config))
+
+
+TIMING = {
+    "decode": "CUDA-graph replays of 20 calls, rotating over `variants` distinct batches (>= 4x L2 of K/V), "
+              "median of 25 replays; FlashInfer's wrappers in CUDA-graph mode (use_cuda_graph=True), "
+              "planned once per batch outside the graph",
+    "prefill": "triton.testing.do_bench median (L2 flushed between calls), every implementation",
+    "bytes": "decode: K and V of every context token once + q and out once + block-table entries and lengths",
+}
+
+
+class Bench:
+    """One run: its settings, its peers and the result being built."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.device, self.smoke = device, args.smoke
+        self.timer = Timer(args.smoke)
+        self.tune = set(filter(None, args.tune.split(",")))
+        self.sdpa = "sdpa" in args.peers.split(",")
+        self.flashinfer: FlashInfer | None = None
+        reason = "not asked for (--peers)"
+        if "flashinfer" in args.peers.split(",") and not args.smoke:
+            self.flashinfer, reason = FlashInfer.load(device)
+        elif args.smoke:
+            reason = "--smoke"
+        self.flashinfer_note = reason  # its version, or why it is absent
+        env = common.environment()
+        if device.type == "cuda":
+            env.update(cuda=torch.version.cuda, sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
+        self.result: dict = {"env": env, "args": {k: str(v) for k, v in vars(args).items()},
+                             "mode": "smoke" if args.smoke else "compare",
+                             "flashinfer": reason, "targets": TARGETS, "timing": TIMING, "decode": [],
+                             "prefill": [], "errors": []}
+
+    def not_measured(self, peer: str, inapplicable: str) -> dict:
+        """The entry of a peer not run: absent (FlashInfer not importable, or left out by --peers),
+        or n/a (SDPA on a batch one dense tensor cannot hold)."""
+        if peer == "flashinfer":
+            return {"status": "absent", "detail": self.flashinfer_note}
+        if not self.sdpa:
+            return {"status": "absent", "detail": "not asked for (--peers)"}
+        return {"status": "n/a", "detail": inapplicable}
+
+    def decode(self, case: DecodeCase, copy_bw: float) -> dict:
+        batch = DecodeBatch(case, DTYPE, self.device, rotate=not self.smoke)
+        impls: dict[str, dict] = {}
+        impls["raypaged"] = measure(partial(raypaged_decode, batch), batch, self.timer, "decode")
+        for layout in PEERS["decode"]["sdpa"]:
+            impls[layout] = (measure(partial(sdpa_decode, batch, layout), batch, self.timer, "decode")
+                             if self.sdpa and case.uniform else self.not_measured("sdpa", "mixed lengths"))
+        for name, tensor_cores in (("flashinfer_decode", False), ("flashinfer_decode_tc", True)):
+            impls[name] = (measure(partial(self.flashinfer.decode, batch, tensor_cores), batch, self.timer, "decode")
+                           if self.flashinfer else self.not_measured("flashinfer", ""))
+        if "decode" in self.tune and impls["raypaged"]["status"] == "ok":
+            impls["raypaged"]["sweep"] = [
+                {"config": config, **measure(partial(raypaged_decode, batch, **config), batch, self.timer, "decode")}
+                for config in DECODE_SWEEP]
+        row = {**case.describe(DTYPE.itemsize), "variants": batch.variants, "impls": impls}
+        add_figures(row, "decode", copy_bw)
+        return row
+
+    def prefill(self, case: PrefillCase, copy_bw: float) -> dict:
+        batch = PrefillBatch(case, DTYPE, self.device)
+        impls: dict[str, dict] = {}
+        impls["raypaged"] = measure(partial(raypaged_prefill, batch), batch, self.timer, "prefill")
+        for layout in PEERS["prefill"]["sdpa"]:
+            impls[layout] = (measure(partial(sdpa_prefill, batch, layout), batch, self.timer, "prefill")
+                             if self.sdpa and case.fresh_uniform
+                             else self.not_measured("sdpa", "a cached prefix or mixed lengths"))
+        impls["flashinfer_prefill"] = (measure(partial(self.flashinfer.prefill, batch), batch, self.timer, "prefill")
+                                       if self.flashinfer else self.not_measured("flashinfer", ""))
+        if "prefill" in self.tune and impls["raypaged"]["status"] == "ok":
+            impls["raypaged"]["sweep"] = [
+                {"config": config, **measure(partial(raypaged_prefill, batch, **config), batch, self.timer,
+                                             "prefill")} for config in PREFILL_SWEEP]
+        row = {**case.describe(), "variant": PREFILL_VARIANT,
+               "config": prefill_launch_config(case.head_dim, DTYPE, self.device), "impls": impls}
+        add_figures(row, "prefill", copy_bw)
+        return row
+
+    def prebuild_flashinfer(self, decode: list[DecodeCase], prefill: list[PrefillCase]) -> None:
+        """Compile FlashInfer's modules before any timing; if the one-build path fails, each
+        wrapper compiles its module at its first plan() (before its own check, still untimed)."""
+        if self.flashinfer is None:
+            return
+        info: dict = {}
         try:
-            row["sdpa_variants_s"][name] = do_bench(fn, warmup=50, rep=400, return_mode="median") / 1e3
-        except Exception as exc:  # noqa: BLE001
-            row["sdpa_variants_s"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    timings = [t for t in row["sdpa_variants_s"].values() if isinstance(t, float)]
-    row["sdpa_s"] = min(timings)  # the faster SDPA variant is the baseline
-    row["triton_TFLOPs"] = flops / row["triton_s"] / 1e12
-    row["sdpa_TFLOPs"] = flops / row["sdpa_s"] / 1e12
-    row["vs_sdpa"] = row["sdpa_s"] / row["triton_s"]
-    if tune:
-        row["sweep"] = []
-        for block_m, block_n, num_warps, num_stages, pack_gqa in [
-            (128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 4, 4, False),
-            (128, 32, 4, 4, False), (128, 64, 4, 2, False), (64, 128, 4, 3, False),
-            (128, 128, 8, 3, True), (128, 64, 8, 3, True), (128, 64, 4, 3, True),
-            (64, 64, 4, 3, True), (128, 32, 4, 4, True), (256, 64, 8, 2, True),
-        ]:
-            config = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps,
-                          "num_stages": num_stages, "pack_gqa": pack_gqa}
-            try:
-                check_against_reference(paged_prefill_triton(q, *args, **step_kv, **config),
-                                        lambda cd: paged_prefill_ref(q, *args, compute_dtype=cd), DTYPE)
-                seconds = do_bench(lambda config=config: paged_prefill_triton(q, *args, out=out, **step_kv, **config),
-                                   warmup=25, rep=150, return_mode="median") / 1e3
-                row["sweep"].append({"config": config, "seconds": seconds, "TFLOPs": flops / seconds / 1e12})
-            except Exception as exc:  # noqa: BLE001
-                row["sweep"].append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-            log("  prefill", tokens, row["sweep"][-1])
-    return row
+            info["prefill_backend"] = self.flashinfer.prefill_backend(DTYPE)
+            info["compile_s"] = self.flashinfer.prebuild({c.head_dim for c in decode},
+                                                         {c.head_dim for c in prefill}, DTYPE)
+        except Exception as exc:  # noqa: BLE001 - the wrappers then compile on first use
+            info["prebuild_error"] = error_text(exc)
+        self.result["flashinfer_build"] = info
+        log("FlashInfer build:", info)
 
 
-def bench_head_major(copy_bw: float) -> list[dict]:
-    """The same decode on a head-major pool ([blocks, Hkv, B, D] storage), same kernel."""
-    rows = []
-    for b, ctx in [(1, 32768), (64, 4096)]:
-        case = DecodeCase(b, ctx, layout="head_major")
-        case.check(case.paged)
-        seconds = case.time_paged(case.paged)
-        rows.append({"batch": b, "context": ctx, "seconds": seconds,
-                     "TBps": case.bytes / seconds / 1e12, "frac_copy": case.bytes / seconds / copy_bw})
-        del case
-    return rows
-
-
-def environment() -> dict:
-    commit = os.environ.get("RAYPAGED_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    props = torch.cuda.get_device_properties(0)
-    return {"commit": commit, "device": props.name, "sm_count": props.multi_processor_count,
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version()}
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
-    rows = result["decode"]
-    labels = [f"B{r['batch']}\nctx {r['context']}" for r in rows]
-    width = 0.27
-    for k, (key, name) in enumerate([("paged", "Triton, paged"), ("contiguous", "Triton, contiguous"),
-                                     ("sdpa", "torch SDPA, contiguous")]):
-        xs = [i + (k - 1) * width for i in range(len(rows))]
-        ax1.bar(xs, [r[f"{key}_TBps"] for r in rows], width, label=name)
-    ax1.axhline(result["copy_TBps"], color="k", ls="--", lw=1, label=f"copy {result['copy_TBps']:.2f} TB/s")
-    ax1.set_xticks(range(len(rows)), labels)
-    ax1.set_ylabel("achieved bandwidth (TB/s)")
-    ax1.set_title(f"paged decode, bf16, 32q/8kv heads, d128, block 16 — {result['env']['device']}")
-    ax1.legend(loc="lower right", fontsize=8)
-    pre = result["prefill"]
-    xs = range(len(pre))
-    ax2.bar([x - 0.2 for x in xs], [r["triton_TFLOPs"] for r in pre], 0.4, label="Triton, paged")
-    ax2.bar([x + 0.2 for x in xs], [r["sdpa_TFLOPs"] for r in pre], 0.4, label="torch SDPA")
-    ax2.set_xticks(list(xs), [f"{r['tokens']} tok" for r in pre])
-    ax2.set_ylabel("TFLOP/s")
-    ax2.set_title("causal prefill")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tune", default="", help="sweep launch configs of: decode,prefill")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--sections", default="decode,prefill,head_major",
-                        help="which measurements to run (all by default)")
-    parser.add_argument("--decode-cases", default=",".join(f"{b}x{c}" for b, c in DECODE_CASES),
-                        help="decode (batch)x(context) points, e.g. 1x1024,8x1024")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        log("needs a CUDA device")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--peers", default="flashinfer,sdpa", help="which peers to measure")
+    parser.add_argument("--tune", default="", help="also sweep raypaged's launch configs of: decode,prefill")
+    parser.add_argument("--smoke", action="store_true", help="tiny cases on the CPU interpreter (no timing)")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    common.add_replot_argument(parser)
+    args = parser.parse_args(argv)
+    if args.replot:
+        return common.replot(args.replot, plot)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        log("needs a CUDA device (or --smoke)")
         return 2
+    all_decode = SMOKE_DECODE_CASES if args.smoke else DECODE_CASES
+    all_prefill = SMOKE_PREFILL_CASES if args.smoke else PREFILL_CASES
+    known = {c.name for c in all_decode} | {c.name for c in all_prefill}
+    wanted = set(filter(None, args.cases.split(",")))
+    if wanted - known:
+        log(f"unknown cases {sorted(wanted - known)}; cases: {sorted(known)}")
+        return 2
+    decode = [c for c in all_decode if not wanted or c.name in wanted]
+    prefill = [c for c in all_prefill if not wanted or c.name in wanted]
+
+    run_start = time.perf_counter()
     torch.manual_seed(0)
-    result = {"env": environment(), "targets": TARGETS}
+    bench = Bench(args, device)
+    result = bench.result
     log(result["env"])
-    copy_bw = copy_bandwidth()
+    copy_bw = common.copy_bandwidth(device, nbytes=2**30 if device.type == "cuda" else 2**22)
     result["copy_TBps"] = copy_bw / 1e12
     log(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
-
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "kernels_" + result["env"]["device"].replace("NVIDIA ", "").replace(" ", "_").lower()
+    stem = "kernels_smoke_cpu" if args.smoke else f"kernels_{common.device_tag()}"
     json_path = args.out / f"{stem}.json"
+    bench.prebuild_flashinfer(decode, prefill)
 
-    result["decode"], result["prefill"], result["errors"] = [], [], []
-    decode_cases = [tuple(int(v) for v in case.split("x")) for case in args.decode_cases.split(",")]
-    sections = [("decode", case) for case in decode_cases]
-    sections += [("prefill", tokens) for tokens in PREFILL_TOKENS] + [("head_major", None)]
-    sections = [(kind, point) for kind, point in sections if kind in args.sections.split(",")]
-    for kind, point in sections:
+    jobs: list[tuple[str, str, Callable[[], dict]]] = [
+        *[("decode", c.name, partial(bench.decode, c, copy_bw)) for c in decode],
+        *[("prefill", c.name, partial(bench.prefill, c, copy_bw)) for c in prefill]]
+    for section, name, job in jobs:
+        start = time.perf_counter()
         try:
-            if kind == "decode":
-                row = bench_decode(DecodeCase(*point), copy_bw, "decode" in args.tune)
-                result["decode"].append(row)
-            elif kind == "prefill":
-                row = bench_prefill(point, "prefill" in args.tune)
-                result["prefill"].append(row)
-            else:
-                row = result["head_major_decode"] = bench_head_major(copy_bw)
-            log(row if isinstance(row, list) else {k: v for k, v in row.items() if k != "sweep"})
+            row = job()
+            row["elapsed_s"] = time.perf_counter() - start
+            result[section].append(row)
+            log(section, name, {n: {k: v for k, v in i.items() if k != "sweep"} for n, i in row["impls"].items()})
         except Exception as exc:  # noqa: BLE001 - keep what was measured; record what failed
-            result["errors"].append(f"{kind} {point}: {type(exc).__name__}: {exc}")
+            result["errors"].append(f"{section} {name}: {error_text(exc)}")
             log("FAILED", result["errors"][-1])
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         json_path.write_text(json.dumps(result, indent=1))  # progress survives a later crash
 
     result["targets_met"] = targets_met(result)
+    failed = [{"case": r["name"], "impl": name, "status": impl["status"], "detail": impl.get("detail")}
+              for section in ("decode", "prefill") for r in result[section]
+              for name, impl in r["impls"].items() if impl["status"] in ("error", "wrong")]
+    result["failed_implementations"] = failed
+    result["elapsed_s"] = time.perf_counter() - run_start
     json_path.write_text(json.dumps(result, indent=1))
     try:
-        plot(result, args.out / f"{stem}.png")
-    except Exception as exc:  # noqa: BLE001
-        log("plot failed:", exc)
-    summarize(result)
-    return 1 if result["errors"] else 0
-
-
-def targets_met(result: dict) -> dict:
-    by_case = {(r["batch"], r["context"]): r for r in result["decode"]}
-    met = {}
-    for key, case in [("decode_64x4096_frac_copy", (64, 4096)), ("decode_1x32768_frac_copy", (1, 32768))]:
-        met[key] = case in by_case and by_case[case]["paged_frac_copy"] >= TARGETS[key]
-    met["paging_cost_max"] = bool(result["decode"]) and all(
-        r["paging_cost"] <= TARGETS["paging_cost_max"] for r in result["decode"])
-    met["prefill_vs_sdpa_min"] = bool(result["prefill"]) and all(
-        r["vs_sdpa"] >= TARGETS["prefill_vs_sdpa_min"] for r in result["prefill"])
-    return met
-
-
-def summarize(result: dict) -> None:
-    copy_bw = result["copy_TBps"] * 1e12
-    log(f"\ncopy {copy_bw / 1e12:.2f} TB/s   commit {result['env']['commit'][:10]}")
-    log(f"{'decode B,ctx':>14} {'splits':>6} {'paged TB/s':>10} {'%copy':>6} {'contig':>7} "
-        f"{'paging':>7} {'SDPA':>6} {'%copy':>6} {'us':>7}")
-    for r in result["decode"]:
-        log(f"{r['batch']:>6},{r['context']:<7} {r['num_splits']:>6} {r['paged_TBps']:>10.2f} "
-            f"{100 * r['paged_frac_copy']:>5.1f}% {r['contiguous_TBps']:>7.2f} "
-            f"{100 * r['paging_cost']:>6.1f}% {r['sdpa_TBps']:>6.2f} {100 * r['sdpa_frac_copy']:>5.1f}% "
-            f"{r['paged_s'] * 1e6:>7.1f}")
-    for r in result["decode"] + result["prefill"]:
-        timed = sorted((t for t in r.get("sweep", []) if "seconds" in t), key=lambda t: t["seconds"])
-        if timed:
-            name = f"B{r['batch']} ctx {r['context']}" if "batch" in r else f"prefill {r['tokens']}"
-            log(f"  best of sweep, {name}: " + "; ".join(
-                f"{t['config']} {t['seconds'] * 1e6:.1f}us" for t in timed[:3]))
-    for r in result["prefill"]:
-        log(f"prefill {r['tokens']:>5} tok: Triton {r['triton_TFLOPs']:.0f} TFLOP/s, "
-            f"SDPA {r['sdpa_TFLOPs']:.0f} TFLOP/s, ratio {r['vs_sdpa']:.2f}")
-    for r in result.get("head_major_decode", []):
-        log(f"head-major decode B{r['batch']} ctx {r['context']}: {r['TBps']:.2f} TB/s "
-            f"({100 * r['frac_copy']:.1f}% copy)")
-    log("targets met:", result["targets_met"])
-    for error in result["errors"]:
-        log("ERROR", error)
+        plot(result, json_path.with_suffix(".png"))
+    except Exception as exc:  # noqa: BLE001 - the JSON is what counts
+        result["errors"].append(f"plot: {error_text(exc)}")
+        json_path.write_text(json.dumps(result, indent=1))
+    for line in table(result) + [f"FAILED {f}" for f in failed] + [f"ERROR {e}" for e in result["errors"]]:
+        log(line)
+    # A peer that cannot run a shape (it raises) is a finding; a wrong output, or raypaged failing, is not.
+    broken = [f for f in failed if f["impl"] == "raypaged" or f["status"] == "wrong"]
+    return 1 if result["errors"] or broken else 0
 
 
 if __name__ == "__main__":

@@ -11,12 +11,15 @@
 # to 1 for CPU runs), and for the suites marked Ray the .device/ bundle (../shared/device/GPU.md:
 # `make-bundle.sh .device`, carried with the call) plus the gRPC health / reflection wheels the
 # frontend needs (1.84.0: the machine's grpcio; `pip download --no-deps -d .device
-# "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"`).
+# "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"`). The kernels suite's peer,
+# FlashInfer, comes from the wheels in .whl/ (flashinfer-python 0.5.3 and apache-tvm-ffi 0.1.6,
+# ignored by git: carry .whl with the call); without them it is reported absent.
 #
 # Suites (minutes on one H200, from the last runs; a device call is at most 10 minutes):
 #   tests        every GPU-marked test (bf16 kernels at the 8B's shapes, PDL on/off bit for bit,
 #                the engine against transformers in fp32 with CUDA graphs), ~4
-#   kernels      decode / prefill attention bandwidth and TFLOP/s -> kernels_h200.json, .png, ~3
+#   kernels      decode / prefill attention against FlashInfer (the .whl/ wheels, carried) and SDPA:
+#                bandwidth, TFLOP/s, targets -> kernels_h200.json, .png, ~6 (FlashInfer compiles ~2-3)
 #   decode       the 8B engine's decode step at batch 1, 8, 64, 256 -> decode_8b_h200.json, .png, ~3
 #   trace        the same step traced: GPU busy vs wall, kernels -> decode_trace_8b_h200.json, .png, ~2
 #   phases       host phases of a step, in process and through Ray [Ray] -> decode_phases_8b_h200.json, ~3
@@ -48,6 +51,13 @@ setup() {
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/raypaged_pip.log 2>&1 \
         || { cat /tmp/raypaged_pip.log; exit 1; }
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null || true
+}
+
+use_wheels() {  # the benchmark-only packages carried as wheels in .whl/ (FlashInfer and tvm-ffi), if any
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: FlashInfer will be reported absent"; return 0; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || { echo "installing .whl/ failed: FlashInfer will be reported absent"; return 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 }
 
 RAY_READY=0
@@ -86,7 +96,7 @@ gpu_test_files() {  # the files holding GPU tests: collecting the whole suite wo
 suite() {
     case $1 in
         tests) bench tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
-        kernels) bench kernels 300 python3 -m benchmarks.bench_kernels --out "$OUT_DIR" ;;
+        kernels) use_wheels; bench kernels 450 python3 -m benchmarks.bench_kernels --out "$OUT_DIR" ;;
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
             --prompt-len 64 --output-len 32 --out "$OUT_DIR" ;;

@@ -1,5 +1,6 @@
-"""What every benchmark shares: the environment record, the copy-bandwidth ceiling, JSON output,
-the random-weights Llama shapes, and transformers' model built on those shapes.
+"""What every benchmark shares: the environment record, the copy-bandwidth ceiling, CUDA-graph
+timing, JSON output, the random-weights Llama shapes, and transformers' model built on those
+shapes.
 
 Results go to `benchmarks/results/` unless a benchmark's --out (the device runner passes $OUT)
 or RAYPAGED_RESULTS_DIR says otherwise."""
@@ -10,12 +11,17 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+# The H200's L2. Timed calls rotate over enough distinct inputs that >= 4x this is read, so a
+# timing reads HBM, not the previous call's leftovers in L2.
+L2_BYTES = 60 * 2**20
 
 # Llama shapes run with random weights (load_format "dummy"): no checkpoint to download.
 SHAPES = {
@@ -36,6 +42,11 @@ SHAPES = {
                  "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
                  "max_position_embeddings": 2048, "rope_theta": 10000.0},
 }
+
+
+def log(*args: object) -> None:
+    """print, flushed: a GPU run's log shows each step as it happens."""
+    print(*args, flush=True)
 
 
 def write_config(shape: str, dtype: str, directory: Path) -> Path:
@@ -150,6 +161,35 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def graph_time(fn: Callable[[int], object], variants: int, calls: int = 20, replays: int = 25) -> float:
+    """Seconds per fn(i) call, as a server launches it: `calls` calls (cycling i over `variants`)
+    captured in one CUDA graph, the median of `replays` replays."""
+    # Warm up (compile, autotune, workspaces) on a side stream, as graph capture requires.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(variants):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % variants)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph
+    return statistics.median(times)
 
 
 def write_json(name: str, result: dict, out_dir: Path | None = None) -> Path:
