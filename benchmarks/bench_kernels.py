@@ -56,15 +56,18 @@ from benchmarks.lib.attention_cases import (
 from benchmarks.lib.attention_peers import FlashInfer, sdpa_decode, sdpa_prefill
 from benchmarks.lib.attention_report import PEERS, TARGETS, add_figures, plot, table, targets_met
 from benchmarks.lib.common import log
-from raypaged.kernels.paged_decode import paged_decode_triton
+from raypaged.kernels.paged_decode import TARGET_PROGRAMS_PER_SM, paged_decode_triton, plan_work
 from raypaged.kernels.paged_prefill import CUDA_DEFAULT as PREFILL_VARIANT
 from raypaged.kernels.paged_prefill import default_launch_config as prefill_launch_config
 from raypaged.kernels.paged_prefill import paged_prefill_triton
 from raypaged.kernels.testing import check_against_reference
+from raypaged.kernels.triton_common import num_sms
 
 DTYPE = torch.bfloat16
 DECODE_SWEEP = [{"tile_n": t, "num_warps": w, "num_stages": s} for t in (32, 64, 128) for w in (4, 8)
                 for s in (2, 3, 4)]
+# Work items per SM the plan aims for (--tune decode): the default and around it.
+PROGRAMS_PER_SM_SWEEP = (2, TARGET_PROGRAMS_PER_SM, 8, 16)
 PREFILL_SWEEP = [
     {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s, "pack_gqa": pack}
     for m, n, w, s, pack in [(128, 128, 8, 3, False), (128, 64, 4, 3, False), (128, 64, 4, 4, False),
@@ -116,13 +119,18 @@ def measure(build: Callable[[], Kernel], batch: DecodeBatch | PrefillBatch, time
     return {"status": "ok", **row}
 
 
-def raypaged_decode(batch: DecodeBatch, **config: Any) -> Kernel:
+def raypaged_decode(batch: DecodeBatch, target_items: int | None = None, **config: Any) -> Kernel:
+    """The decode kernel and its merge on each variant's work list, planned once per variant
+    outside the timing (the engine plans once a step for every layer; FlashInfer's plan is
+    outside its timing too)."""
     p = batch.paged
+    works = [plan_work(p.seq_lens[batch.rows(i)], p.k_cache.shape[2], target_items=target_items,
+                       align=config.get("tile_n")) for i in range(batch.variants)]
 
     def run(i: int) -> torch.Tensor:
         rows = batch.rows(i)
         return paged_decode_triton(batch.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows],
-                                   batch.scale, out=batch.out[rows], max_seq_len=batch.max_seq_len, **config)
+                                   batch.scale, out=batch.out[rows], work=works[i], **config)
 
     return Kernel(run)
 
@@ -136,8 +144,9 @@ def raypaged_prefill(batch: PrefillBatch, **config: Any) -> Kernel:
 
 TIMING = {
     "decode": "CUDA-graph replays of 20 calls, rotating over `variants` distinct batches (>= 4x L2 of K/V), "
-              "median of 25 replays; FlashInfer's wrappers in CUDA-graph mode (use_cuda_graph=True), "
-              "planned once per batch outside the graph",
+              "median of 25 replays; raypaged's decode and merge kernels on a work list planned once per batch "
+              "outside the graph (as the engine plans once a step for all layers); FlashInfer's wrappers in "
+              "CUDA-graph mode (use_cuda_graph=True), planned once per batch outside the graph",
     "prefill": "triton.testing.do_bench median (L2 flushed between calls), every implementation",
     "bytes": "decode: K and V of every context token once + q and out once + block-table entries and lengths",
 }
@@ -189,6 +198,12 @@ class Bench:
             impls["raypaged"]["sweep"] = [
                 {"config": config, **measure(partial(raypaged_decode, batch, **config), batch, self.timer, "decode")}
                 for config in DECODE_SWEEP]
+            sms = num_sms(self.device)
+            impls["raypaged"]["target_sweep"] = [
+                {"programs_per_sm": per_sm,
+                 **measure(partial(raypaged_decode, batch, target_items=max(per_sm * sms // case.num_kv_heads, 1)),
+                           batch, self.timer, "decode")}
+                for per_sm in PROGRAMS_PER_SM_SWEEP]
         row = {**case.describe(DTYPE.itemsize), "variants": batch.variants, "impls": impls}
         add_figures(row, "decode", copy_bw)
         return row

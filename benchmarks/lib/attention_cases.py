@@ -210,7 +210,6 @@ class DecodeBatch:
         self.q = torch.randn((len(lens), case.num_q_heads, case.head_dim), device=device).to(dtype)
         self.out = torch.empty_like(self.q)
         self.scale = case.head_dim**-0.5
-        self.max_seq_len = max(case.seq_lens)
         p = self.paged
         self.reference = _References(lambda cd: paged_decode_ref(
             self.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, self.scale, compute_dtype=cd))

@@ -3,10 +3,10 @@
 Triton compiles a kernel per combination of its compile-time parameters on first use, which on
 the H200 costs around a second each. Decode compiles once (its work list, the kernel and the
 merge: nothing in them varies with the batch), the prefill kernel once per source of new
-keys/values and kind of token count; a server meeting them one by one under load stalls every running request meanwhile (the first
-serving rate measured on the H200 queued up to 52 requests behind such stalls). The worker runs
-this once at start-up, on the real KV pool of one layer, with the step's shapes reduced to
-a few tokens. What it compiles lands in Triton's disk cache too.
+keys/values and kind of token count. A server meeting them one by one under load stalls every
+running request meanwhile (the first serving rate measured on the H200 queued up to 52 requests
+behind such stalls). The worker runs this once at start-up, on the real KV pool of one layer,
+with the step's shapes reduced to a few tokens. What it compiles lands in Triton's disk cache too.
 """
 
 from __future__ import annotations
