@@ -198,6 +198,7 @@ class Bench:
             impls["raypaged"]["sweep"] = [
                 {"config": config, **measure(partial(raypaged_decode, batch, **config), batch, self.timer, "decode")}
                 for config in DECODE_SWEEP]
+        if self.tune & {"decode", "target"} and impls["raypaged"]["status"] == "ok":
             sms = num_sms(self.device)
             impls["raypaged"]["target_sweep"] = [
                 {"programs_per_sm": per_sm,
@@ -247,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--peers", default="flashinfer,sdpa", help="which peers to measure")
-    parser.add_argument("--tune", default="", help="also sweep raypaged's launch configs of: decode,prefill")
+    parser.add_argument("--tune", default="", help="also sweep raypaged's launch configs of: decode,prefill; "
+                        "target: only decode's work items per SM")
     parser.add_argument("--smoke", action="store_true", help="tiny cases on the CPU interpreter (no timing)")
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     common.add_replot_argument(parser)
