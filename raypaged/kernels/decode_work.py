@@ -32,11 +32,14 @@ import triton.language as tl
 
 from .pdl import pdl_launch, wait_for_inputs
 
-ITEM_SEQ, ITEM_START, ITEM_END, ITEM_COUNT = 0, 1, 2, 3  # its sequence's item count
-SEQ_FIRST, SEQ_COUNT, SEQ_ITEM_LEN = 4, 5, 6
-MERGES = 7
+# The list's rows (the kernels take each row as its own pointer). ITEM_COUNT: the item's
+# sequence's item count.
+ITEM_SEQ, ITEM_START, ITEM_END, ITEM_COUNT, SEQ_FIRST, SEQ_COUNT, SEQ_ITEM_LEN, MERGES = range(8)
 WORK_FIELDS = 8
 _BLOCK = 1024
+# The width is a multiple of this, so every row starts 16-byte aligned: Triton specialises
+# pointers on alignment, and a row that were not would compile another variant mid-serving.
+_WIDTH_MULTIPLE = 4
 
 
 @triton.jit
@@ -56,8 +59,10 @@ def _maximum(a, b):
 
 # Ints that vary from step to step are left unspecialised: no variant compiles mid-serving.
 @triton.jit(do_not_specialize=["num_seqs", "width", "target_items", "min_chunk"])
-def _plan_kernel(seq_lens_ptr, work_ptr, num_seqs, width, target_items, min_chunk,
-                 ALIGN: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _plan_kernel(seq_lens_ptr, item_seq_ptr, item_start_ptr, item_end_ptr, item_count_ptr,
+                 seq_first_ptr, seq_count_ptr, seq_item_len_ptr, merges_ptr, num_seqs, width,
+                 target_items, min_chunk, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     wait_for_inputs(USE_PDL)
     total = 0
     for start in range(0, num_seqs, BLOCK):
@@ -68,8 +73,8 @@ def _plan_kernel(seq_lens_ptr, work_ptr, num_seqs, width, target_items, min_chun
     # Each sequence marks its first item with its index; a running max then names every item's.
     for start in range(0, width, BLOCK):
         index = start + tl.arange(0, BLOCK)
-        tl.store(work_ptr + ITEM_SEQ * width + index, -1, mask=index < width)
-        tl.store(work_ptr + MERGES * width + index, -1, mask=index < width)
+        tl.store(item_seq_ptr + index, -1, mask=index < width)
+        tl.store(merges_ptr + index, -1, mask=index < width)
     tl.debug_barrier()
     num_items = 0
     num_merges = 0
@@ -80,42 +85,42 @@ def _plan_kernel(seq_lens_ptr, work_ptr, num_seqs, width, target_items, min_chun
         items, item_len = _items_of(lens, chunk, ALIGN)
         items = tl.where(valid, items, 0)
         firsts = tl.cumsum(items, 0) - items + num_items
-        tl.store(work_ptr + SEQ_FIRST * width + index, firsts, mask=valid)
-        tl.store(work_ptr + SEQ_COUNT * width + index, items, mask=valid)
-        tl.store(work_ptr + SEQ_ITEM_LEN * width + index, item_len, mask=valid)
-        tl.store(work_ptr + ITEM_SEQ * width + firsts, index, mask=valid)
+        tl.store(seq_first_ptr + index, firsts, mask=valid)
+        tl.store(seq_count_ptr + index, items, mask=valid)
+        tl.store(seq_item_len_ptr + index, item_len, mask=valid)
+        tl.store(item_seq_ptr + firsts, index, mask=valid)
         split = valid & (items > 1)
         slots = tl.cumsum(split.to(tl.int32), 0) - 1 + num_merges
-        tl.store(work_ptr + MERGES * width + slots, index, mask=split)
+        tl.store(merges_ptr + slots, index, mask=split)
         num_items += tl.sum(items)
         num_merges += tl.sum(split.to(tl.int32))
     tl.debug_barrier()
     so_far = -1
     for start in range(0, width, BLOCK):
         index = start + tl.arange(0, BLOCK)
-        marks = tl.load(work_ptr + ITEM_SEQ * width + index, mask=index < width, other=-1)
+        marks = tl.load(item_seq_ptr + index, mask=index < width, other=-1)
         seq = tl.maximum(tl.associative_scan(marks, 0, _maximum), so_far)
         so_far = tl.max(seq, 0)
         in_plan = index < num_items
         seq = tl.where(in_plan, seq, -1)
         row = tl.maximum(seq, 0)
-        first = tl.load(work_ptr + SEQ_FIRST * width + row, mask=in_plan, other=0)
-        count = tl.load(work_ptr + SEQ_COUNT * width + row, mask=in_plan, other=0)
-        item_len = tl.load(work_ptr + SEQ_ITEM_LEN * width + row, mask=in_plan, other=0)
+        first = tl.load(seq_first_ptr + row, mask=in_plan, other=0)
+        count = tl.load(seq_count_ptr + row, mask=in_plan, other=0)
+        item_len = tl.load(seq_item_len_ptr + row, mask=in_plan, other=0)
         length = tl.load(seq_lens_ptr + row, mask=in_plan, other=0)
         begin = (index - first) * item_len
         tl.debug_barrier()  # every lane has read its marks before any is overwritten
         stored = index < width
-        tl.store(work_ptr + ITEM_SEQ * width + index, seq, mask=stored)
-        tl.store(work_ptr + ITEM_START * width + index, begin, mask=stored)
-        tl.store(work_ptr + ITEM_END * width + index, tl.minimum(begin + item_len, length), mask=stored)
-        tl.store(work_ptr + ITEM_COUNT * width + index, count, mask=stored)
+        tl.store(item_seq_ptr + index, seq, mask=stored)
+        tl.store(item_start_ptr + index, begin, mask=stored)
+        tl.store(item_end_ptr + index, tl.minimum(begin + item_len, length), mask=stored)
+        tl.store(item_count_ptr + index, count, mask=stored)
 
 
 def plan_decode_work(seq_lens: torch.Tensor, target_items: int, min_chunk_tokens: int, align: int,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The work list of a decode batch with these seq_lens [S] int32 (module docstring), into
-    `out` (int32 [WORK_FIELDS, S + target_items], e.g. a CUDA graph's static buffer) if given.
+    `out` (int32 [WORK_FIELDS, max_items(S, target_items)], e.g. a CUDA graph's static buffer) if given.
     One small launch, no host synchronisation."""
     if target_items < 1 or min_chunk_tokens < 1 or align < 1:
         raise ValueError(f"target_items ({target_items}), min_chunk_tokens ({min_chunk_tokens}) "
@@ -126,14 +131,15 @@ def plan_decode_work(seq_lens: torch.Tensor, target_items: int, min_chunk_tokens
     elif out.shape != (WORK_FIELDS, width) or out.dtype != torch.int32 or not out.is_contiguous():
         raise ValueError(f"work list buffer must be contiguous int32 {(WORK_FIELDS, width)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
-    _plan_kernel[(1,)](seq_lens, out, seq_lens.shape[0], width, target_items, min_chunk_tokens,
+    _plan_kernel[(1,)](seq_lens, *out, seq_lens.shape[0], width, target_items, min_chunk_tokens,
                        ALIGN=align, BLOCK=_BLOCK, num_warps=4, **pdl_launch(seq_lens))
     return out
 
 
 def max_items(num_seqs: int, target_items: int) -> int:
-    """The bound on any batch's item count: the decode grid and the work list's width."""
-    return num_seqs + target_items
+    """The bound on any batch's item count, rounded up to a multiple of 4: the decode grid and
+    the work list's width."""
+    return -(-(num_seqs + target_items) // _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
 
 
 def max_merges(target_items: int) -> int:

@@ -35,19 +35,21 @@ from .triton_common import LOG2_E, dot, dot_mode, num_sms
 from .validation import check_decode_inputs, output_for
 
 
-# The block table's row stride and the work list's width vary from step to step: left
-# unspecialised, so a value that happens to be 1 or a multiple of 16 compiles no other variant.
-@triton.jit(do_not_specialize=["stride_table_seq", "work_width"])
+# The block table's row stride is the widest table of the step: left unspecialised, so a width
+# that happens to be 1 or a multiple of 16 does not compile another variant mid-serving.
+@triton.jit(do_not_specialize=["stride_table_seq"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
-    work_ptr,
+    item_seq_ptr,
+    item_start_ptr,
+    item_end_ptr,
+    item_count_ptr,
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
-    work_width,
     scale_log2,
     stride_q_seq,
     stride_q_head,
@@ -70,13 +72,13 @@ def _decode_kernel(
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_q_heads = tl.num_programs(1) * GROUP
-    seq = tl.load(work_ptr + ITEM_SEQ * work_width + item)
+    seq = tl.load(item_seq_ptr + item)
     if seq < 0:  # past the batch's last item
         return
     seq = seq.to(tl.int64)
-    start = tl.load(work_ptr + ITEM_START * work_width + item)
-    end = tl.load(work_ptr + ITEM_END * work_width + item)
-    count = tl.load(work_ptr + ITEM_COUNT * work_width + item)
+    start = tl.load(item_start_ptr + item)
+    end = tl.load(item_end_ptr + item)
+    count = tl.load(item_count_ptr + item)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -125,13 +127,14 @@ def _decode_kernel(
         tl.store(partial_lse_ptr + lse_index, m_i + tl.log2(l_i), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["work_width"])
+@triton.jit
 def _merge_kernel(
-    work_ptr,
+    merges_ptr,
+    seq_first_ptr,
+    seq_count_ptr,
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
-    work_width,
     stride_out_seq,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
@@ -140,13 +143,13 @@ def _merge_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
-    seq = tl.load(work_ptr + MERGES * work_width + tl.program_id(0))
+    seq = tl.load(merges_ptr + tl.program_id(0))
     if seq < 0:  # past the batch's last split sequence
         return
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
-    first = tl.load(work_ptr + SEQ_FIRST * work_width + seq)
-    count = tl.load(work_ptr + SEQ_COUNT * work_width + seq)
+    first = tl.load(seq_first_ptr + seq)
+    count = tl.load(seq_count_ptr + seq)
     dims = tl.arange(0, DIM_PAD)
     m = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
@@ -256,11 +259,13 @@ def paged_decode_triton(
         k_cache,
         v_cache,
         block_tables,
-        work,
+        work[ITEM_SEQ],
+        work[ITEM_START],
+        work[ITEM_END],
+        work[ITEM_COUNT],
         out,
         partial_out,
         partial_lse,
-        width,
         scale * LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -283,11 +288,12 @@ def paged_decode_triton(
         **pdl_launch(q),
     )
     _merge_kernel[(max_merges(width - num_seqs), num_q_heads)](
-        work,
+        work[MERGES],
+        work[SEQ_FIRST],
+        work[SEQ_COUNT],
         partial_out,
         partial_lse,
         out,
-        width,
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
