@@ -16,10 +16,14 @@ target_items, plus at most one per sequence) and at most target_items // 2 split
 holds >= 2 chunks). Those bounds size the decode and merge grids: shapes only, so a CUDA graph
 captured once serves any mix of lengths, and entries past the batch's count are -1.
 
+Items run largest first, as a list scheduler wants (the GPU starts programs roughly in grid
+order, so what runs last should be small): the sequences of >= chunk tokens (the split ones among
+them), then those of >= chunk / 4, then the rest; a sequence's items stay together, in order.
+
 One program computes the list on the device from seq_lens (`plan_decode_work`), once per step:
-every layer's decode reads the same list. Layout, int32 [WORK_FIELDS, num_seqs + target_items]:
-rows ITEM_* per work item, SEQ_* per sequence, MERGES the split sequences. `plan` is the same
-arithmetic on the host, for tests and benchmarks.
+every layer's decode reads the same list. Layout, int32 [WORK_FIELDS, max_items]: rows ITEM_* per
+work item, SEQ_* per sequence, MERGES the split sequences. `plan` is the same arithmetic on the
+host, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ import triton.language as tl
 from .pdl import pdl_launch, wait_for_inputs
 
 # The list's rows (the kernels take each row as its own pointer). ITEM_COUNT: the item's
-# sequence's item count.
-ITEM_SEQ, ITEM_START, ITEM_END, ITEM_COUNT, SEQ_FIRST, SEQ_COUNT, SEQ_ITEM_LEN, MERGES = range(8)
-WORK_FIELDS = 8
+# sequence's item count; SEQ_ORDER: the sequences in the list's order.
+(ITEM_SEQ, ITEM_START, ITEM_END, ITEM_COUNT, SEQ_FIRST, SEQ_COUNT, SEQ_ITEM_LEN, MERGES,
+ SEQ_ORDER) = range(9)
+WORK_FIELDS = 9
+# Size classes the items run in, largest first (see _size_class).
+NUM_SIZE_CLASSES = 3
 _BLOCK = 1024
 # The width is a multiple of this, so every row starts 16-byte aligned: Triton specialises
 # pointers on alignment, and a row that were not would compile another variant mid-serving.
@@ -57,12 +64,24 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
+@triton.jit
+def _size_class(lens, chunk, NUM_CLASSES: tl.constexpr):
+    """0 for a sequence of >= chunk tokens (split ones among them), then one class per quarter
+    below, the last one taking the rest: the list runs its items by class, largest first."""
+    size_class = tl.zeros_like(lens)
+    threshold = chunk
+    for _ in tl.static_range(NUM_CLASSES - 1):
+        size_class += (lens < threshold).to(lens.dtype)
+        threshold = threshold // 4
+    return size_class
+
+
 # Ints that vary from step to step are left unspecialised: no variant compiles mid-serving.
 @triton.jit(do_not_specialize=["num_seqs", "width", "target_items", "min_chunk"])
 def _plan_kernel(seq_lens_ptr, item_seq_ptr, item_start_ptr, item_end_ptr, item_count_ptr,
-                 seq_first_ptr, seq_count_ptr, seq_item_len_ptr, merges_ptr, num_seqs, width,
-                 target_items, min_chunk, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 seq_first_ptr, seq_count_ptr, seq_item_len_ptr, merges_ptr, seq_order_ptr,
+                 num_seqs, width, target_items, min_chunk, ALIGN: tl.constexpr,
+                 NUM_CLASSES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_inputs(USE_PDL)
     total = 0
     for start in range(0, num_seqs, BLOCK):
@@ -70,48 +89,56 @@ def _plan_kernel(seq_lens_ptr, item_seq_ptr, item_start_ptr, item_end_ptr, item_
         total += tl.sum(tl.load(seq_lens_ptr + index, mask=index < num_seqs, other=0))
     chunk = tl.maximum(tl.cdiv(total, target_items), min_chunk)
 
-    # Each sequence marks its first item with its index; a running max then names every item's.
+    # Sequences are ranked class by class (in index order within one); each marks its first item
+    # with its rank, a running max over the items then names every item's rank, and the order
+    # row its sequence.
     for start in range(0, width, BLOCK):
         index = start + tl.arange(0, BLOCK)
         tl.store(item_seq_ptr + index, -1, mask=index < width)
         tl.store(merges_ptr + index, -1, mask=index < width)
     tl.debug_barrier()
     num_items = 0
+    num_ranked = 0
     num_merges = 0
-    for start in range(0, num_seqs, BLOCK):
-        index = start + tl.arange(0, BLOCK)
-        valid = index < num_seqs
-        lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
-        items, item_len = _items_of(lens, chunk, ALIGN)
-        items = tl.where(valid, items, 0)
-        firsts = tl.cumsum(items, 0) - items + num_items
-        tl.store(seq_first_ptr + index, firsts, mask=valid)
-        tl.store(seq_count_ptr + index, items, mask=valid)
-        tl.store(seq_item_len_ptr + index, item_len, mask=valid)
-        tl.store(item_seq_ptr + firsts, index, mask=valid)
-        split = valid & (items > 1)
-        slots = tl.cumsum(split.to(tl.int32), 0) - 1 + num_merges
-        tl.store(merges_ptr + slots, index, mask=split)
-        num_items += tl.sum(items)
-        num_merges += tl.sum(split.to(tl.int32))
+    for size_class in tl.static_range(NUM_CLASSES):
+        for start in range(0, num_seqs, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            valid = index < num_seqs
+            lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
+            items, item_len = _items_of(lens, chunk, ALIGN)
+            mine = valid & (_size_class(lens, chunk, NUM_CLASSES) == size_class)
+            counted = tl.where(mine, items, 0)
+            firsts = tl.cumsum(counted, 0) - counted + num_items
+            ranks = tl.cumsum(mine.to(tl.int32), 0) - 1 + num_ranked
+            tl.store(seq_first_ptr + index, firsts, mask=mine)
+            tl.store(seq_count_ptr + index, items, mask=mine)
+            tl.store(seq_item_len_ptr + index, item_len, mask=mine)
+            tl.store(seq_order_ptr + ranks, index, mask=mine)
+            tl.store(item_seq_ptr + firsts, ranks, mask=mine)
+            num_items += tl.sum(counted)
+            num_ranked += tl.sum(mine.to(tl.int32))
+            if size_class == 0:  # split sequences are all in the first class
+                split = valid & (items > 1)
+                slots = tl.cumsum(split.to(tl.int32), 0) - 1 + num_merges
+                tl.store(merges_ptr + slots, index, mask=split)
+                num_merges += tl.sum(split.to(tl.int32))
     tl.debug_barrier()
     so_far = -1
     for start in range(0, width, BLOCK):
         index = start + tl.arange(0, BLOCK)
         marks = tl.load(item_seq_ptr + index, mask=index < width, other=-1)
-        seq = tl.maximum(tl.associative_scan(marks, 0, _maximum), so_far)
-        so_far = tl.max(seq, 0)
+        rank = tl.maximum(tl.associative_scan(marks, 0, _maximum), so_far)
+        so_far = tl.max(rank, 0)
         in_plan = index < num_items
-        seq = tl.where(in_plan, seq, -1)
-        row = tl.maximum(seq, 0)
-        first = tl.load(seq_first_ptr + row, mask=in_plan, other=0)
-        count = tl.load(seq_count_ptr + row, mask=in_plan, other=0)
-        item_len = tl.load(seq_item_len_ptr + row, mask=in_plan, other=0)
-        length = tl.load(seq_lens_ptr + row, mask=in_plan, other=0)
+        seq = tl.load(seq_order_ptr + tl.maximum(rank, 0), mask=in_plan, other=0)
+        first = tl.load(seq_first_ptr + seq, mask=in_plan, other=0)
+        count = tl.load(seq_count_ptr + seq, mask=in_plan, other=0)
+        item_len = tl.load(seq_item_len_ptr + seq, mask=in_plan, other=0)
+        length = tl.load(seq_lens_ptr + seq, mask=in_plan, other=0)
         begin = (index - first) * item_len
         tl.debug_barrier()  # every lane has read its marks before any is overwritten
         stored = index < width
-        tl.store(item_seq_ptr + index, seq, mask=stored)
+        tl.store(item_seq_ptr + index, tl.where(in_plan, seq, -1), mask=stored)
         tl.store(item_start_ptr + index, begin, mask=stored)
         tl.store(item_end_ptr + index, tl.minimum(begin + item_len, length), mask=stored)
         tl.store(item_count_ptr + index, count, mask=stored)
@@ -132,7 +159,8 @@ def plan_decode_work(seq_lens: torch.Tensor, target_items: int, min_chunk_tokens
         raise ValueError(f"work list buffer must be contiguous int32 {(WORK_FIELDS, width)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
     _plan_kernel[(1,)](seq_lens, *out, seq_lens.shape[0], width, target_items, min_chunk_tokens,
-                       ALIGN=align, BLOCK=_BLOCK, num_warps=4, **pdl_launch(seq_lens))
+                       ALIGN=align, NUM_CLASSES=NUM_SIZE_CLASSES, BLOCK=_BLOCK, num_warps=4,
+                       **pdl_launch(seq_lens))
     return out
 
 
@@ -157,8 +185,10 @@ class WorkItem:
 def plan(seq_lens: list[int], target_items: int, min_chunk: int, align: int) -> list[WorkItem]:
     """The work list's items for `seq_lens`, in its order (host ints; tests, benchmarks)."""
     chunk = max(_cdiv(sum(seq_lens), target_items), min_chunk)
+    thresholds = [chunk // 4**k for k in range(NUM_SIZE_CLASSES - 1)]
     items: list[WorkItem] = []
-    for seq, length in enumerate(seq_lens):
+    for seq in sorted(range(len(seq_lens)), key=lambda s: sum(seq_lens[s] < t for t in thresholds)):
+        length = seq_lens[seq]
         wanted = max(length // chunk, 1)
         item_len = _cdiv(_cdiv(length, wanted), align) * align
         count = _cdiv(length, item_len) if item_len else 1

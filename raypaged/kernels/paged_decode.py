@@ -1,8 +1,8 @@
 """Triton paged decode: one query per sequence over a work list of equal-sized items, GQA packed.
 
 decode_work.py cuts the batch's KV into items of about equal size (a long sequence into many, a
-short one whole) and lists them once per step on the device. Stage 1, grid (items bound,
-num_kv_heads): program (i, h) reads item i's token range of its sequence for KV head h, following
+short one whole) and lists them once per step on the device, largest first. Stage 1, grid
+(num_kv_heads, items bound): program (h, i) reads item i's token range of its sequence for KV head h, following
 the block table tile by tile, and computes all the query heads that share h at once (one dot of
 [group, D] x [D, tile]) so each K/V byte is read once. An item that is its sequence's only one
 writes the output; the others store a normalised partial output and its log-sum-exp. Stage 2,
@@ -69,9 +69,10 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
-    item = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    num_q_heads = tl.num_programs(1) * GROUP
+    # Heads innermost: the GPU starts programs in grid order, and the list's is largest first.
+    kv_head = tl.program_id(0)
+    item = tl.program_id(1)
+    num_q_heads = tl.num_programs(0) * GROUP
     seq = tl.load(item_seq_ptr + item)
     if seq < 0:  # past the batch's last item
         return
@@ -254,7 +255,7 @@ def paged_decode_triton(
     dim_pad = triton.next_power_of_2(head_dim)
     partial_out = torch.empty((width, num_q_heads, dim_pad), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((width, num_q_heads), dtype=torch.float32, device=q.device)
-    _decode_kernel[(width, num_kv_heads)](
+    _decode_kernel[(num_kv_heads, width)](
         q,
         k_cache,
         v_cache,

@@ -50,7 +50,12 @@ def test_plan_covers_every_token_once_within_the_grid_bound(seed):
         assert all(a.end == b.start for a, b in zip(own, own[1:]))
         if len(own) > 1:  # a split sequence's items are balanced: under 2 chunks (plus a tile)
             assert max(i.end - i.start for i in own) < 2 * chunk + tile
-    assert [i.seq for i in items] == sorted(i.seq for i in items)
+    order = [i.seq for i in items]
+    runs = [s for k, s in enumerate(order) if k == 0 or order[k - 1] != s]
+    assert len(runs) == len(set(runs)) == len(lens)  # each sequence's items together
+    # Largest first: every sequence of >= chunk tokens before any shorter, >= chunk / 4 next.
+    classes = [sum(lens[s] < t for t in (chunk, chunk // 4)) for s in runs]
+    assert classes == sorted(classes)
 
 
 def test_plan_splits_a_lone_long_sequence_and_leaves_a_uniform_batch_whole():
@@ -84,6 +89,8 @@ def test_the_device_work_list_is_the_host_plan(seed):
     firsts = [next(k for k, i in enumerate(expected) if i.seq == s) for s in range(len(lens))]
     assert work[decode_work.SEQ_FIRST, :len(lens)].tolist() == firsts
     assert work[decode_work.SEQ_COUNT, :len(lens)].tolist() == counts
+    runs = [s for k, s in enumerate(i.seq for i in expected) if k == 0 or expected[k - 1].seq != s]
+    assert work[decode_work.SEQ_ORDER, :len(lens)].tolist() == runs
 
 
 def test_a_batch_longer_than_one_plan_block_is_listed_in_order():
