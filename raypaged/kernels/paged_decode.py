@@ -197,18 +197,19 @@ def plan_work(seq_lens: torch.Tensor, num_kv_heads: int, *, target_items: int | 
     step and passed to every layer's `paged_decode_triton`."""
     if target_items is None:
         target_items = default_target_items(num_kv_heads, num_sms(seq_lens.device))
-    align = align or default_launch_config(0, torch.bfloat16)["tile_n"]
+    align = align or default_launch_config(128, torch.bfloat16)["tile_n"]
     return plan_decode_work(seq_lens, target_items, min_chunk_tokens, align, out=out)
 
 
 def default_launch_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile, warps and stages for the split kernel.
+    """Tile, warps and stages for the decode kernel: a tile of K holds about 16 KB.
 
-    From the H200 sweep (benchmarks/bench_kernels.py --tune decode, 18 configs x 4 shapes):
-    64-token tiles with 4 warps were best at every shape; 128-token tiles lost 2-10%, 32-token
-    tiles 5-21%, 8 warps 4-33%. Stages 3 vs 4 were within noise.
+    From the H200 sweeps (benchmarks/bench_kernels.py --tune decode): at head dim 128, 64-token
+    tiles with 4 warps were best at every shape (128-token tiles lost 2-10%, 32-token tiles
+    5-21%, 8 warps 4-33%; stages 3 vs 4 within noise); at head dim 64, 128-token tiles beat 64
+    by 13-22% (benchmarks/README.md).
     """
-    return {"tile_n": 64, "num_warps": 4, "num_stages": 3}
+    return {"tile_n": 128 if head_dim <= 64 else 64, "num_warps": 4, "num_stages": 3}
 
 
 def paged_decode_triton(
