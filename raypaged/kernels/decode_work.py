@@ -41,9 +41,11 @@ from .pdl import pdl_launch, wait_for_inputs
 (ITEM_SEQ, ITEM_START, ITEM_END, ITEM_COUNT, SEQ_FIRST, SEQ_COUNT, SEQ_ITEM_LEN, MERGES,
  SEQ_ORDER) = range(9)
 WORK_FIELDS = 9
+# Lanes the plan's one program works in: a small batch's list fits the small block (its passes
+# are latency on every step's critical path), a larger one takes the large block (and loops past it).
+PLAN_BLOCKS = (128, 1024)
 # Size classes the items run in, largest first (see _size_class).
 NUM_SIZE_CLASSES = 3
-_BLOCK = 1024
 # The width is a multiple of this, so every row starts 16-byte aligned: Triton specialises
 # pointers on alignment, and a row that were not would compile another variant mid-serving.
 _WIDTH_MULTIPLE = 4
@@ -159,7 +161,8 @@ def plan_decode_work(seq_lens: torch.Tensor, target_items: int, min_chunk_tokens
         raise ValueError(f"work list buffer must be contiguous int32 {(WORK_FIELDS, width)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
     _plan_kernel[(1,)](seq_lens, *out, seq_lens.shape[0], width, target_items, min_chunk_tokens,
-                       ALIGN=align, NUM_CLASSES=NUM_SIZE_CLASSES, BLOCK=_BLOCK, num_warps=4,
+                       ALIGN=align, NUM_CLASSES=NUM_SIZE_CLASSES,
+                       BLOCK=PLAN_BLOCKS[0] if width <= PLAN_BLOCKS[0] else PLAN_BLOCKS[1], num_warps=4,
                        **pdl_launch(seq_lens))
     return out
 
@@ -170,9 +173,9 @@ def max_items(num_seqs: int, target_items: int) -> int:
     return -(-(num_seqs + target_items) // _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
 
 
-def max_merges(target_items: int) -> int:
+def max_merges(num_seqs: int, target_items: int) -> int:
     """The bound on any batch's split sequences: the merge grid."""
-    return max(target_items // 2, 1)
+    return max(min(num_seqs, target_items // 2), 1)
 
 
 @dataclass(frozen=True)

@@ -173,11 +173,11 @@ def _merge_kernel(
              (acc / total).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-# Each item should stream at least this many tokens, or the merge costs more than it saves. On the
-# H200 one sequence of 1,024 tokens took less time in 8 splits than in 4 (bench_kernels.py
-# --tune decode): at short contexts the latency of an item's serial tiles, not the merge, is
-# what costs.
-MIN_TOKENS_PER_ITEM = 128
+# Each item should stream at least this many tokens (one tile), or the merge costs more than it
+# saves. At short contexts the latency of an item's serial tiles, not the merge, is what costs:
+# on the H200 one sequence of 1,024 tokens took less time in 8 splits than in 4, and 16 of 64
+# tokens was the split kernel's choice before the work list (benchmarks/README.md).
+MIN_TOKENS_PER_ITEM = 64
 # Programs per multiprocessor to aim for, so memory latency is hidden by many loads in flight.
 TARGET_PROGRAMS_PER_SM = 4
 # Items a merge program reads in one load: the default plan never gives a sequence more than
@@ -289,7 +289,7 @@ def paged_decode_triton(
         num_stages=num_stages or config["num_stages"],
         **pdl_launch(q),
     )
-    _merge_kernel[(max_merges(width - num_seqs), num_q_heads)](
+    _merge_kernel[(max_merges(num_seqs, width - num_seqs), num_q_heads)](
         work[MERGES],
         work[SEQ_FIRST],
         work[SEQ_COUNT],

@@ -1,8 +1,8 @@
 """Compile the attention kernels' variants before the first request needs them.
 
 Triton compiles a kernel per combination of its compile-time parameters on first use, which on
-the H200 costs around a second each. Decode compiles once (its work list, the kernel and the
-merge: nothing in them varies with the batch), the prefill kernel once per source of new
+the H200 costs around a second each. Decode compiles its kernel and merge once, its work list's
+planner once per block size (a small and a large batch), the prefill kernel once per source of new
 keys/values and kind of token count. A server meeting them one by one under load stalls every
 running request meanwhile (the first serving rate measured on the H200 queued up to 52 requests
 behind such stalls). The worker runs this once at start-up, on the real KV pool of one layer,
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from .decode_work import PLAN_BLOCKS
 from .paged_decode import paged_decode_triton
 from .paged_prefill import paged_prefill_triton
 
@@ -31,10 +32,11 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
     scale = head_dim ** -0.5
-    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    paged_decode_triton(q, k_cache, v_cache, table, seq_lens, scale)
+    for num_seqs in (1, PLAN_BLOCKS[0] + 1):  # the small and the large plan block
+        q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device)
+        table = torch.zeros(num_seqs, 1, dtype=torch.int32, device=device)
+        seq_lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
+        paged_decode_triton(q, k_cache, v_cache, table, seq_lens, scale)
     for num_tokens in _PREFILL_TOKENS:
         q = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
         new = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
