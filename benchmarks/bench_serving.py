@@ -2,7 +2,7 @@
 with the paged KV cache and with the max_model_len reservation baseline on the same pool (issue
 8's "Serving" benchmark, the shape of vLLM's benchmark_serving.py).
 
-    python -m benchmarks.bench_serving          # CPU-sized: the built-in demo model, ~3 minutes
+    python -m benchmarks.bench_serving          # CPU-sized: the built-in demo model, ~4 minutes
     bash scripts/gpu.sh serving                 # the H200 run: 8B-shaped, bf16, random weights
 
 For each KV mode (paged; `--kv-cache-mode contiguous`, where every request reserves max_model_len
@@ -17,11 +17,14 @@ Requests longer than --max-total-len are dropped, as vLLM's benchmark drops Shar
 Per rate, as the client sees it: TTFT (send → first token), inter-token latency (the gap before
 each streamed chunk, split over the chunk's tokens), TPOT ((E2E − TTFT) / (tokens − 1)), E2E;
 p50/p90/p99 of each and of E2E / output tokens (the PagedAttention paper's normalized latency),
-request and output-token throughput, and the KV pool read from the server's
-Prometheus gauges once a second. A mode's sweep stops after the first rate whose p99 TTFT passes
+request and output-token throughput; from the server's Prometheus metrics the KV pool (gauges,
+once a second) and the prefix-cache hit rate (its counters of prompt tokens looked up and found,
+before and after the rate). A mode's sweep stops after the first rate whose p99 TTFT passes
 --stop-ttft-s (the queue only grows from there). "Max rate" is the highest rate, going up, before
 the first one whose p99 TTFT misses --slo-ttft-s. The paged pool size (profiled on CUDA) is given
 to the contiguous server with --num-gpu-blocks-override, so both hold the same number of blocks.
+Each mode records the settings its server runs with (lib/server_settings.py): asynchronous
+scheduling, PDL, the GEMM epilogues and prefix caching as they take effect, and every flag.
 
 Writes benchmarks/results/serving_<model>_<device>.json (after every rate) and a PNG beside it.
 Flags after `--` go to `raypaged launch` unchanged.
@@ -31,15 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests
+from benchmarks.bench_throughput import BenchRequest, sharegpt_requests
 from benchmarks.lib.common import (
     SHAPES,
     device_tag,
@@ -47,11 +48,13 @@ from benchmarks.lib.common import (
     write_config,
     write_json,
 )
+from benchmarks.lib.server_settings import effective_settings
+from benchmarks.serving_load import Load, RequestLoad, drive, fresh_prompts, send
 from benchmarks.serving_report import (
     KV_GAUGES,
-    Timing,
     kv_summary,
     max_rate_meeting,
+    prefix_cache_summary,
     print_rate,
     print_table,
     save_plot,
@@ -59,15 +62,14 @@ from benchmarks.serving_report import (
     summarize_rate,
 )
 from benchmarks.soak import LaunchedServer, scrape
-from raypaged.client import AsyncClient, Client, RequestError
+from raypaged.client import Client
+from raypaged.frontend.server import ServerConfig
 
 MODES = ("paged", "contiguous")
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
 # 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too.
 CPU_NUM_KV_BLOCKS = 256
 
-
-# ---- pure parts (tests/benchmarks/test_bench_serving.py) --------------------------------------------------
 
 def trace_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
                    max_total_len: int | None) -> list[BenchRequest]:
@@ -76,77 +78,10 @@ def trace_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
     return sharegpt_requests(count, max_model_len, vocab_size, seed, max_total_len)
 
 
-def fresh_prompts(requests: list[BenchRequest], vocab_size: int, seed: str) -> list[list[int]]:
-    """Random ids of each request's prompt length, drawn anew per rate (seeded): the same prompts
-    again would hit the prefix cache the previous rate filled and shorten every prefill."""
-    rng = random.Random(seed)
-    return [[rng.randrange(FIRST_ID, vocab_size) for _ in r.prompt_token_ids] for r in requests]
-
-
-def poisson_offsets(count: int, rate: float, seed: str) -> list[float]:
-    """Send times (seconds from the start) of a Poisson process of `rate` requests per second:
-    the first request at 0, then exponential gaps of mean 1 / rate."""
-    if not rate > 0 or math.isinf(rate):
-        raise ValueError(f"request rate must be a positive number, got {rate}")
-    rng = random.Random(seed)
-    offsets, clock = [], 0.0
-    for i in range(count):
-        if i:
-            clock += rng.expovariate(rate)
-        offsets.append(clock)
-    return offsets
-
-
-# ---- the load -----------------------------------------------------------------------------------
-
-async def send(client: AsyncClient, prompt: list[int], output_len: int, due: float) -> Timing:
-    sent = time.perf_counter()
-    timing = Timing(late_s=sent - due)
-    last = sent
-    try:
-        async for chunk in client.stream(prompt, max_tokens=output_len, ignore_eos=True,
-                                         temperature=0.0):
-            now = time.perf_counter()
-            count = sum(len(out.token_ids) for out in chunk.outputs)
-            if not count:
-                continue
-            if timing.output_tokens == 0:
-                timing.ttft_s = now - sent
-            else:
-                # Tokens that arrive together shared the gap: one latency per token, as the
-                # per-token figure (TPOT) would count them.
-                timing.gaps_s += [(now - last) / count] * count
-            timing.output_tokens += count
-            last = now
-    except RequestError as e:
-        timing.error = f"{e.code.name}: {e.message}"
-        return timing
-    timing.e2e_s = last - sent
-    if timing.output_tokens != output_len:
-        timing.error = f"{timing.output_tokens} tokens streamed for max_tokens {output_len}"
-    return timing
-
-
-async def drive(address: str, prompts: list[list[int]], output_lens: list[int],
-                offsets: list[float], channels: int) -> tuple[list[Timing], float]:
-    """Sends request i at offsets[i] and streams all; returns the timings and the wall time from
-    the first send to the last token. Several channels, so that no HTTP/2 stream limit of one
-    connection queues requests on the client side."""
-    clients = [AsyncClient(address) for _ in range(channels)]
-    try:
-        start = time.perf_counter()
-        tasks = []
-        for i, (prompt, output_len, offset) in enumerate(zip(prompts, output_lens, offsets)):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(clients[i % channels], prompt, output_len,
-                                                  start + offset)))
-        timings = await asyncio.gather(*tasks)
-        return list(timings), time.perf_counter() - start
-    finally:
-        for client in clients:
-            await client.close()
+def make_load(args: argparse.Namespace, info, seed: int, count: int) -> Load:
+    """The trace's load for a server of `info` (its vocabulary and max_model_len)."""
+    return RequestLoad(trace_requests(count, info.max_model_len, info.vocab_size, seed,
+                                      args.max_total_len), info.vocab_size, seed)
 
 
 # ---- KV memory from the server's metrics --------------------------------------------------------
@@ -174,39 +109,46 @@ async def sample_metrics(metrics_url: str, samples: list[dict], done: asyncio.Ev
 
 # ---- one rate, one mode -------------------------------------------------------------------------
 
-def run_rate(server: LaunchedServer, info, requests: list[BenchRequest], rate: float,
-             args: argparse.Namespace) -> dict:
-    prompts = fresh_prompts(requests, info.vocab_size, f"prompts:{args.seed}:{rate}")
-    offsets = poisson_offsets(len(requests), rate, f"arrivals:{args.seed}:{rate}")
+def settled_scrape(metrics_url: str) -> dict[str, float]:
+    """The metrics once the frontend has polled the engine since now: its counters (prefix
+    cache, preemptions) are the engine's totals as of that poll."""
+    time.sleep(ServerConfig.stats_interval_s + 0.5)
+    return scrape(metrics_url)
+
+
+def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argparse.Namespace) -> dict:
     samples: list[dict] = []
 
-    async def measure() -> tuple[list[Timing], float]:
+    async def measure():
         done = asyncio.Event()
         sampler = asyncio.create_task(sample_metrics(server.metrics_url, samples, done))
         try:
-            return await drive(server.address, prompts, [r.output_len for r in requests], offsets,
-                               args.channels)
+            return await load.run(server.address, rate, args.channels)
         finally:
             done.set()
             await sampler
 
-    before = scrape(server.metrics_url)
-    timings, wall_s = asyncio.run(measure())
-    after = scrape(server.metrics_url)
-    result = summarize_rate(rate, timings, wall_s)
+    before = settled_scrape(server.metrics_url)
+    ran = asyncio.run(measure())
+    after = settled_scrape(server.metrics_url)
+    result = summarize_rate(rate, ran.timings, ran.wall_s)
+    result.update(ran.extra)
     preemptions = "raypaged_num_preemptions_total"
     result["preemptions"] = after.get(preemptions, 0) - before.get(preemptions, 0)
+    result["prefix_cache"] = prefix_cache_summary(before, after, ran.timings)
     result["kv"] = kv_summary(samples, info.block_size)
     result["kv_samples"] = samples
     return result
 
 
-def warm_up(address: str, requests: list[BenchRequest], vocab_size: int, count: int = 16) -> None:
+def warm_up(address: str, info, args: argparse.Namespace, count: int = 16) -> None:
     """A few short requests at once before the timed rates: the first prefill and decode shapes
-    (Triton compiles on first use on a GPU) are not paid by the lowest rate's TTFT."""
-    warm = requests[:count]
+    (Triton compiles on first use on a GPU) are not paid by the lowest rate's TTFT. Fresh ids:
+    nothing of it is in any rate's prompts."""
+    vocab_size = info.vocab_size
+    warm = trace_requests(count, info.max_model_len, vocab_size, args.seed, args.max_total_len)
     prompts = fresh_prompts(warm, vocab_size, "warm-up")
-    asyncio.run(drive(address, prompts, [8] * len(warm), [0.0] * len(warm), 1))
+    asyncio.run(drive(address, [0.0] * count, 1, lambda client, i, due: send(client, prompts[i], 8, due)))
 
 
 def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
@@ -224,41 +166,37 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
             info = client.model_info()
         if health != "SERVING":
             raise RuntimeError(f"{mode} server is {health}")
-        requests = trace_requests(args.num_requests, info.max_model_len, info.vocab_size, args.seed,
-                                  args.max_total_len)
-        prompt_lens = [len(r.prompt_token_ids) for r in requests]
+        load = make_load(args, info, args.seed, args.num_requests)
         mode_record = record.setdefault(mode, {})
         mode_record.update({
-            "launch_args": flags, "start_seconds": time.perf_counter() - started,
+            "launch_args": flags, "settings": effective_settings(flags),
+            "start_seconds": time.perf_counter() - started,
             "num_kv_blocks": info.num_blocks, "block_size": info.block_size,
             "max_model_len": info.max_model_len, "model": info.name, "rates": [],
-            "trace": {"requests": len(requests),
-                      "mean_prompt_len": sum(prompt_lens) / len(requests),
-                      "mean_output_len": sum(r.output_len for r in requests) / len(requests),
-                      "max_total_len": max(p + r.output_len for p, r in zip(prompt_lens, requests))},
+            "trace": load.summary(),
         })
         print(f"[{mode}] serving: {info.num_blocks} KV blocks of {info.block_size}, max_model_len "
-              f"{info.max_model_len}, started in {mode_record['start_seconds']:.0f} s", flush=True)
-        warm_up(server.address, requests, info.vocab_size)
+              f"{info.max_model_len}, started in {mode_record['start_seconds']:.0f} s; "
+              f"{mode_record['settings']['effective']}", flush=True)
+        warm_up(server.address, info, args)
         if args.warmup_rate_requests:
             # One untimed pass at the lowest rate with real lengths: on a fresh GPU machine the
             # first minutes pay one-off costs (kernel size specializations compiling) that the
             # short warm-up does not reach (the H200 run at fc27d85: p99 TTFT 5.1 s at its first
             # rate, 54 ms at the next). Kept in the JSON, never counted.
-            warm = trace_requests(args.warmup_rate_requests, info.max_model_len, info.vocab_size,
-                                  args.seed + 1, args.max_total_len)
+            warm = make_load(args, info, args.seed + 1, args.warmup_rate_requests)
             mode_record["warmup_rate"] = run_rate(server, info, warm, min(args.rates), args)
         for rate in args.rates:
             used = time.perf_counter() - started
-            # Its arrivals, then about the last rate's slowest request to drain: past the budget,
-            # the rate is not started (scripts/gpu.sh serving gives each mode 200 s).
-            tail_s = mode_record["rates"][-1]["e2e"]["p99_ms"] / 1e3 if mode_record["rates"] else 0.0
-            if args.mode_budget_s and used + len(requests) / rate + tail_s > args.mode_budget_s:
+            # Its arrivals, then about as long as the last rate's slowest to finish: past the
+            # budget, the rate is not started (scripts/gpu.sh gives each mode a share).
+            tail_s = load.tail_s(mode_record["rates"][-1]) if mode_record["rates"] else 0.0
+            if args.mode_budget_s and used + load.arrival_span_s(rate) + tail_s > args.mode_budget_s:
                 mode_record["skipped_rates_for_budget"] = [r for r in args.rates if r >= rate]
                 print(f"[{mode}] {used:.0f} s used of the {args.mode_budget_s:.0f} s budget: "
                       f"rates from {rate:g} req/s skipped", flush=True)
                 break
-            result = run_rate(server, info, requests, rate, args)
+            result = run_rate(server, info, load, rate, args)
             mode_record["rates"].append(result)
             best = max_rate_meeting(mode_record["rates"], args.slo_ttft_s)
             mode_record["max_rate_under_slo"] = best

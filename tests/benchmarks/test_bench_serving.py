@@ -1,6 +1,6 @@
 """The serving benchmark's pure parts: percentiles, the Poisson schedule, the client-side timing of
-a stream, the per-rate summary, the KV summary and the max-rate choice. (Its figures come from a
-real server; here only that what it computes is right.)"""
+a stream, the per-rate summary, the KV and prefix-cache summaries and the max-rate choice. (Its
+figures come from a real server; here only that what it computes is right.)"""
 
 from __future__ import annotations
 
@@ -10,26 +10,23 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from benchmarks.bench_serving import (
-    FIRST_ID,
-    fresh_prompts,
-    poisson_offsets,
-    send,
-    trace_requests,
-)
+from benchmarks.bench_serving import trace_requests
+from benchmarks.bench_throughput import FIRST_ID
+from benchmarks.serving_load import fresh_prompts, poisson_offsets, send
 from benchmarks.serving_report import (
     Timing,
     kv_summary,
     max_rate_meeting,
     percentile,
+    prefix_cache_summary,
     should_stop,
     summarize_rate,
 )
+from raypaged.client import CompletionChunk, StreamChunk, Usage
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
@@ -94,14 +91,9 @@ def test_should_stop_past_the_limit_or_on_errors():
     assert should_stop(rate_result(8, math.nan), stop_ttft_s=10)
 
 
-@dataclass
-class FakeOutput:
-    token_ids: list[int]
-
-
-@dataclass
-class FakeChunk:
-    outputs: list[FakeOutput]
+def stream_chunk(token_ids: list[int], usage: Usage | None = None) -> StreamChunk:
+    """What the client yields: one sample's new tokens, the usage on the stream's last."""
+    return StreamChunk("r", [CompletionChunk(0, "", token_ids, None, None, None)], usage)
 
 
 class FakeClient:
@@ -113,9 +105,11 @@ class FakeClient:
 
     async def stream(self, prompt, **params):
         self.asked = params
-        for delay, count in self.chunks:
+        for i, (delay, count) in enumerate(self.chunks):
             await asyncio.sleep(delay)
-            yield FakeChunk([FakeOutput(list(range(count)))])
+            last = i == len(self.chunks) - 1
+            yield stream_chunk(list(range(100 * i, 100 * i + count)),
+                               Usage(len(prompt), 5, 32) if last else None)
 
 
 def test_send_times_first_token_and_splits_a_chunk_gap_over_its_tokens():
@@ -130,8 +124,15 @@ def test_send_times_first_token_and_splits_a_chunk_gap_over_its_tokens():
     assert timing.gaps_s[3] >= 0.02
     assert timing.e2e_s == pytest.approx(timing.ttft_s + sum(timing.gaps_s), rel=1e-9)
 
+    assert (timing.prompt_tokens, timing.cached_tokens) == (2, 32)  # the usage of the last chunk
+
     short = asyncio.run(send(FakeClient([(0.0, 2)]), [5], output_len=3, due=time.perf_counter()))
     assert short.error == "2 tokens streamed for max_tokens 3"
+
+    reply: list[int] = [9]
+    asyncio.run(send(FakeClient([(0.0, 1), (0.0, 0), (0.0, 3)]), [5], output_len=4,
+                     due=time.perf_counter(), reply=reply))
+    assert reply == [9, 0, 200, 201, 202]  # appended, as streamed
 
 
 def test_summary_counts_only_completed_requests():
@@ -169,3 +170,23 @@ def test_kv_summary_averages_the_busy_samples():
     assert summary["unfilled_slots_per_running_request"] == pytest.approx(60 / 6)
     assert (summary["mean_running"], summary["peak_running"], summary["peak_waiting"]) == (3, 4, 3)
     assert kv_summary([kv_sample(0, 0, 0, 0.0)], 16) == {"samples": 1, "busy_samples": 0}
+
+
+def counters(queries: float, hits: float, prompt_tokens: float) -> dict[str, float]:
+    return {"raypaged_prefix_cache_queries_total": queries, "raypaged_prefix_cache_hits_total": hits,
+            "raypaged_prompt_tokens_total": prompt_tokens, "raypaged_num_preemptions_total": 3.0}
+
+
+def test_prefix_cache_summary_is_the_counters_change_over_the_rate():
+    timings = [Timing(0.0, ttft_s=0.1, e2e_s=1.0, output_tokens=2, prompt_tokens=600, cached_tokens=512),
+               Timing(0.0, ttft_s=0.1, e2e_s=1.0, output_tokens=2, prompt_tokens=100, cached_tokens=0),
+               Timing(0.0, prompt_tokens=50, error="UNAVAILABLE: gone")]
+    summary = prefix_cache_summary(counters(1000, 200, 1000), counters(1700, 712, 1700), timings)
+    assert (summary["queries"], summary["hits"], summary["prompt_tokens"]) == (700, 512, 700)
+    assert summary["hit_rate"] == pytest.approx(512 / 700)
+    assert (summary["client_prompt_tokens"], summary["client_cached_tokens"]) == (700, 512)
+    # Caching off: no lookups, prompts processed, nothing served from a cache.
+    off = prefix_cache_summary(counters(0, 0, 10), counters(0, 0, 710), timings[1:2])
+    assert off["hit_rate"] == 0.0 and off["client_cached_share"] == 0.0
+    assert prefix_cache_summary(counters(0, 0, 0), counters(0, 0, 0), [])["hit_rate"] is None
+
