@@ -1,6 +1,6 @@
 """The client side of bench_serving: one request streamed and timed as the client sees it, the
-Poisson process of arrivals, and a Load — what one rate of a trace sends: so far independent
-requests (the ShareGPT-like trace)."""
+Poisson process of arrivals, and a Load — what one rate of a trace sends. Two loads: independent
+requests (the ShareGPT-like trace, here) and multi-turn conversations (serving_chat.py)."""
 
 from __future__ import annotations
 
