@@ -1,45 +1,56 @@
-"""Online serving: Poisson arrivals over gRPC at several request rates against `raypaged launch`,
-with the paged KV cache and with the max_model_len reservation baseline on the same pool (issue
-8's "Serving" benchmark, the shape of vLLM's benchmark_serving.py).
+"""Online serving: Poisson arrivals over gRPC at several rates against `raypaged launch`, in two
+modes on the same KV pool (issue 8's "Serving" benchmark, the shape of vLLM's
+benchmark_serving.py), with one of two traces:
 
-    python -m benchmarks.bench_serving          # CPU-sized: the built-in demo model, ~3 minutes
-    bash scripts/gpu.sh serving                 # the H200 run: 8B-shaped, bf16, random weights
+    python -m benchmarks.bench_serving                    # CPU-sized: the demo model, ~3 minutes
+    python -m benchmarks.bench_serving --trace multiturn  # CPU-sized chat trace, ~4 minutes
+    bash scripts/gpu.sh serving serving-multiturn         # the H200 runs: 8B-shaped, bf16, random weights
 
-For each KV mode (paged; `--kv-cache-mode contiguous`, where every request reserves max_model_len
-slots when it starts) one server is started, and for each rate, ascending, N requests are sent
-with exponential gaps (seeded) and streamed. Requests are the simulator's ShareGPT-like trace
-(prompt ≈ 160, output ≈ 340 tokens, lognormal tails): random prompt token ids of the trace's
-lengths (fresh ids at every rate, so the prefix cache cannot serve one rate from the last), each
-with max_tokens = its output length and ignore_eos, so every request generates exactly that.
-Requests longer than --max-total-len are dropped, as vLLM's benchmark drops ShareGPT's past
-2,048 (scripts/gpu.sh serving does the same; the CPU default, 512, keeps its tails short).
+--trace sharegpt (default): modes paged and contiguous (`--kv-cache-mode contiguous`: every
+request reserves max_model_len slots when it starts). For each rate, ascending, N requests are
+sent with exponential gaps (seeded) and streamed: the simulator's ShareGPT-like trace (prompt ≈
+160, output ≈ 340 tokens, lognormal tails), random prompt ids of the trace's lengths (fresh ids
+at every rate, so the prefix cache cannot serve one rate from the last), each with max_tokens =
+its output length and ignore_eos, so every request generates exactly that. Requests longer than
+--max-total-len are dropped, as vLLM's benchmark drops ShareGPT's past 2,048 (scripts/gpu.sh
+serving does the same; the CPU default, 512, keeps its tails short).
+
+--trace multiturn: modes prefix-cache and no-prefix-cache (`--no-enable-prefix-caching`), both
+paged. At each rate conversations begin at Poisson times (conversations per second) for
+--arrival-window-s, sharing one system prompt; each turn resends the whole history with the
+replies as streamed back, after a think time (serving_chat.py says exactly how). The defaults
+are CPU-sized for the demo model's 1,024-token context (system prompt 128, user messages ≈ 24
+and replies ≈ 32 tokens, 3–8 turns, capped at the model's context, 0.5 / 1 / 2 conversations a
+second for 20 s); scripts/gpu.sh serving-multiturn runs 500 / 100 / 200.
 
 Per rate, as the client sees it: TTFT (send → first token), inter-token latency (the gap before
 each streamed chunk, split over the chunk's tokens), TPOT ((E2E − TTFT) / (tokens − 1)), E2E;
 p50/p90/p99 of each and of E2E / output tokens (the PagedAttention paper's normalized latency),
-request and output-token throughput, and the KV pool read from the server's
-Prometheus gauges once a second. A mode's sweep stops after the first rate whose p99 TTFT passes
+request and output-token throughput; from the server's Prometheus metrics the KV pool (gauges,
+once a second) and the prefix-cache hit rate (its counters of prompt tokens looked up and found,
+before and after the rate). A mode's sweep stops after the first rate whose p99 TTFT passes
 --stop-ttft-s (the queue only grows from there). "Max rate" is the highest rate, going up, before
-the first one whose p99 TTFT misses --slo-ttft-s. The paged pool size (profiled on CUDA) is given
-to the contiguous server with --num-gpu-blocks-override, so both hold the same number of blocks.
+the first one whose p99 TTFT misses --slo-ttft-s. The first mode's pool size (profiled on CUDA)
+is given to the second with --num-gpu-blocks-override, so both hold the same number of blocks.
+Each mode records the settings its server runs with (lib/server_settings.py): asynchronous
+scheduling, PDL, the GEMM epilogues and prefix caching as they take effect, and every flag.
 
-Writes benchmarks/results/serving_<model>_<device>.json (after every rate) and a PNG beside it.
-Flags after `--` go to `raypaged launch` unchanged.
+Writes benchmarks/results/serving_<model>_<device>.json (serving_<model>-multiturn_<device>.json
+for the chat trace; after every rate) and a PNG beside it. Flags after `--` go to `raypaged
+launch` unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_throughput import FIRST_ID, BenchRequest, sharegpt_requests
+from benchmarks.bench_throughput import BenchRequest, sharegpt_requests
 from benchmarks.lib.common import (
     SHAPES,
     device_tag,
@@ -47,27 +58,42 @@ from benchmarks.lib.common import (
     write_config,
     write_json,
 )
+from benchmarks.lib.server_settings import effective_settings
+from benchmarks.serving_chat import ChatLoad, ChatShape, conversations_at, plan_conversations
+from benchmarks.serving_load import Load, RequestLoad, drive, fresh_prompts, send
 from benchmarks.serving_report import (
     KV_GAUGES,
-    Timing,
     kv_summary,
     max_rate_meeting,
+    prefix_cache_summary,
     print_rate,
     print_table,
+    rate_unit,
     save_plot,
     should_stop,
     summarize_rate,
 )
 from benchmarks.soak import LaunchedServer, scrape
-from raypaged.client import AsyncClient, Client, RequestError
+from raypaged.client import Client
+from raypaged.frontend.server import ServerConfig
 
-MODES = ("paged", "contiguous")
+# Each trace's two modes, and the flags that make a server of each (after the user's, so they win).
+TRACE_MODES = {"sharegpt": ("paged", "contiguous"), "multiturn": ("prefix-cache", "no-prefix-cache")}
+MODE_FLAGS = {
+    "paged": ["--kv-cache-mode", "paged"],
+    "contiguous": ["--kv-cache-mode", "contiguous"],
+    "prefix-cache": ["--kv-cache-mode", "paged", "--enable-prefix-caching"],
+    "no-prefix-cache": ["--kv-cache-mode", "paged", "--no-enable-prefix-caching"],
+}
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
-# 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too.
+# 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too. The chat
+# trace has no contiguous mode: on CPU it keeps the server's default pool, where thinking
+# conversations' histories stay cached.
 CPU_NUM_KV_BLOCKS = 256
+# On the demo model on 2 cores the chat trace's default shape saturates the CPU at ~1 conversation a second.
+DEFAULT_RATES = {"sharegpt": "1,2,4,8,16,32", "multiturn": "0.5,1,2"}
+SHAREGPT_CPU_MAX_TOTAL_LEN = 512
 
-
-# ---- pure parts (tests/benchmarks/test_bench_serving.py) --------------------------------------------------
 
 def trace_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
                    max_total_len: int | None) -> list[BenchRequest]:
@@ -76,77 +102,18 @@ def trace_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
     return sharegpt_requests(count, max_model_len, vocab_size, seed, max_total_len)
 
 
-def fresh_prompts(requests: list[BenchRequest], vocab_size: int, seed: str) -> list[list[int]]:
-    """Random ids of each request's prompt length, drawn anew per rate (seeded): the same prompts
-    again would hit the prefix cache the previous rate filled and shorten every prefill."""
-    rng = random.Random(seed)
-    return [[rng.randrange(FIRST_ID, vocab_size) for _ in r.prompt_token_ids] for r in requests]
-
-
-def poisson_offsets(count: int, rate: float, seed: str) -> list[float]:
-    """Send times (seconds from the start) of a Poisson process of `rate` requests per second:
-    the first request at 0, then exponential gaps of mean 1 / rate."""
-    if not rate > 0 or math.isinf(rate):
-        raise ValueError(f"request rate must be a positive number, got {rate}")
-    rng = random.Random(seed)
-    offsets, clock = [], 0.0
-    for i in range(count):
-        if i:
-            clock += rng.expovariate(rate)
-        offsets.append(clock)
-    return offsets
-
-
-# ---- the load -----------------------------------------------------------------------------------
-
-async def send(client: AsyncClient, prompt: list[int], output_len: int, due: float) -> Timing:
-    sent = time.perf_counter()
-    timing = Timing(late_s=sent - due)
-    last = sent
-    try:
-        async for chunk in client.stream(prompt, max_tokens=output_len, ignore_eos=True,
-                                         temperature=0.0):
-            now = time.perf_counter()
-            count = sum(len(out.token_ids) for out in chunk.outputs)
-            if not count:
-                continue
-            if timing.output_tokens == 0:
-                timing.ttft_s = now - sent
-            else:
-                # Tokens that arrive together shared the gap: one latency per token, as the
-                # per-token figure (TPOT) would count them.
-                timing.gaps_s += [(now - last) / count] * count
-            timing.output_tokens += count
-            last = now
-    except RequestError as e:
-        timing.error = f"{e.code.name}: {e.message}"
-        return timing
-    timing.e2e_s = last - sent
-    if timing.output_tokens != output_len:
-        timing.error = f"{timing.output_tokens} tokens streamed for max_tokens {output_len}"
-    return timing
-
-
-async def drive(address: str, prompts: list[list[int]], output_lens: list[int],
-                offsets: list[float], channels: int) -> tuple[list[Timing], float]:
-    """Sends request i at offsets[i] and streams all; returns the timings and the wall time from
-    the first send to the last token. Several channels, so that no HTTP/2 stream limit of one
-    connection queues requests on the client side."""
-    clients = [AsyncClient(address) for _ in range(channels)]
-    try:
-        start = time.perf_counter()
-        tasks = []
-        for i, (prompt, output_len, offset) in enumerate(zip(prompts, output_lens, offsets)):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(clients[i % channels], prompt, output_len,
-                                                  start + offset)))
-        timings = await asyncio.gather(*tasks)
-        return list(timings), time.perf_counter() - start
-    finally:
-        for client in clients:
-            await client.close()
+def make_load(args: argparse.Namespace, info, seed: int, warm_up_count: int = 0) -> Load:
+    """The trace's load for a server of `info` (its vocabulary and max_model_len): the sweep's,
+    or with warm_up_count, that many requests (conversations) at the lowest rate."""
+    if args.trace == "sharegpt":
+        count = warm_up_count or args.num_requests
+        return RequestLoad(trace_requests(count, info.max_model_len, info.vocab_size, seed,
+                                          args.max_total_len), info.vocab_size, seed)
+    cap = min(args.max_total_len or info.max_model_len, info.max_model_len)
+    window_s = warm_up_count / min(args.rates) if warm_up_count else args.arrival_window_s
+    count = max(conversations_at(rate, window_s) for rate in args.rates)
+    return ChatLoad(plan_conversations(count, args.chat_shape, cap, seed), args.chat_shape, cap,
+                    info.vocab_size, seed, window_s)
 
 
 # ---- KV memory from the server's metrics --------------------------------------------------------
@@ -174,45 +141,52 @@ async def sample_metrics(metrics_url: str, samples: list[dict], done: asyncio.Ev
 
 # ---- one rate, one mode -------------------------------------------------------------------------
 
-def run_rate(server: LaunchedServer, info, requests: list[BenchRequest], rate: float,
-             args: argparse.Namespace) -> dict:
-    prompts = fresh_prompts(requests, info.vocab_size, f"prompts:{args.seed}:{rate}")
-    offsets = poisson_offsets(len(requests), rate, f"arrivals:{args.seed}:{rate}")
+def settled_scrape(metrics_url: str) -> dict[str, float]:
+    """The metrics once the frontend has polled the engine since now: its counters (prefix
+    cache, preemptions) are the engine's totals as of that poll."""
+    time.sleep(ServerConfig.stats_interval_s + 0.5)
+    return scrape(metrics_url)
+
+
+def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argparse.Namespace) -> dict:
     samples: list[dict] = []
 
-    async def measure() -> tuple[list[Timing], float]:
+    async def measure():
         done = asyncio.Event()
         sampler = asyncio.create_task(sample_metrics(server.metrics_url, samples, done))
         try:
-            return await drive(server.address, prompts, [r.output_len for r in requests], offsets,
-                               args.channels)
+            return await load.run(server.address, rate, args.channels)
         finally:
             done.set()
             await sampler
 
-    before = scrape(server.metrics_url)
-    timings, wall_s = asyncio.run(measure())
-    after = scrape(server.metrics_url)
-    result = summarize_rate(rate, timings, wall_s)
+    before = settled_scrape(server.metrics_url)
+    ran = asyncio.run(measure())
+    after = settled_scrape(server.metrics_url)
+    result = summarize_rate(rate, ran.timings, ran.wall_s)
+    result.update(ran.extra)
     preemptions = "raypaged_num_preemptions_total"
     result["preemptions"] = after.get(preemptions, 0) - before.get(preemptions, 0)
+    result["prefix_cache"] = prefix_cache_summary(before, after, ran.timings)
     result["kv"] = kv_summary(samples, info.block_size)
     result["kv_samples"] = samples
     return result
 
 
-def warm_up(address: str, requests: list[BenchRequest], vocab_size: int, count: int = 16) -> None:
+def warm_up(address: str, info, args: argparse.Namespace, count: int = 16) -> None:
     """A few short requests at once before the timed rates: the first prefill and decode shapes
-    (Triton compiles on first use on a GPU) are not paid by the lowest rate's TTFT."""
-    warm = requests[:count]
+    (Triton compiles on first use on a GPU) are not paid by the lowest rate's TTFT. ShareGPT-like
+    prompt lengths, whatever the trace, and fresh ids: nothing of it is in any rate's prompts."""
+    vocab_size = info.vocab_size
+    warm = trace_requests(count, info.max_model_len, vocab_size, args.seed, args.max_total_len)
     prompts = fresh_prompts(warm, vocab_size, "warm-up")
-    asyncio.run(drive(address, prompts, [8] * len(warm), [0.0] * len(warm), 1))
+    asyncio.run(drive(address, [0.0] * count, 1, lambda client, i, due: send(client, prompts[i], 8, due)))
 
 
 def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
              args: argparse.Namespace, record: dict, save) -> None:
     """One server in `mode`; the rates ascending until one passes --stop-ttft-s."""
-    flags = [*launch_args, "--kv-cache-mode", mode]
+    flags = [*launch_args, *MODE_FLAGS[mode]]
     if num_blocks:
         flags += ["--num-gpu-blocks-override", str(num_blocks)]
     started = time.perf_counter()
@@ -224,48 +198,45 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
             info = client.model_info()
         if health != "SERVING":
             raise RuntimeError(f"{mode} server is {health}")
-        requests = trace_requests(args.num_requests, info.max_model_len, info.vocab_size, args.seed,
-                                  args.max_total_len)
-        prompt_lens = [len(r.prompt_token_ids) for r in requests]
+        load = make_load(args, info, args.seed)
         mode_record = record.setdefault(mode, {})
         mode_record.update({
-            "launch_args": flags, "start_seconds": time.perf_counter() - started,
+            "launch_args": flags, "settings": effective_settings(flags),
+            "start_seconds": time.perf_counter() - started,
             "num_kv_blocks": info.num_blocks, "block_size": info.block_size,
             "max_model_len": info.max_model_len, "model": info.name, "rates": [],
-            "trace": {"requests": len(requests),
-                      "mean_prompt_len": sum(prompt_lens) / len(requests),
-                      "mean_output_len": sum(r.output_len for r in requests) / len(requests),
-                      "max_total_len": max(p + r.output_len for p, r in zip(prompt_lens, requests))},
+            "trace": load.summary(),
         })
         print(f"[{mode}] serving: {info.num_blocks} KV blocks of {info.block_size}, max_model_len "
-              f"{info.max_model_len}, started in {mode_record['start_seconds']:.0f} s", flush=True)
-        warm_up(server.address, requests, info.vocab_size)
+              f"{info.max_model_len}, started in {mode_record['start_seconds']:.0f} s; "
+              f"{mode_record['settings']['effective']}", flush=True)
+        warm_up(server.address, info, args)
+        unit = rate_unit(record)
         if args.warmup_rate_requests:
             # One untimed pass at the lowest rate with real lengths: on a fresh GPU machine the
             # first minutes pay one-off costs (kernel size specializations compiling) that the
             # short warm-up does not reach (the H200 run at fc27d85: p99 TTFT 5.1 s at its first
             # rate, 54 ms at the next). Kept in the JSON, never counted.
-            warm = trace_requests(args.warmup_rate_requests, info.max_model_len, info.vocab_size,
-                                  args.seed + 1, args.max_total_len)
+            warm = make_load(args, info, args.seed + 1, args.warmup_rate_requests)
             mode_record["warmup_rate"] = run_rate(server, info, warm, min(args.rates), args)
         for rate in args.rates:
             used = time.perf_counter() - started
-            # Its arrivals, then about the last rate's slowest request to drain: past the budget,
-            # the rate is not started (scripts/gpu.sh serving gives each mode 200 s).
-            tail_s = mode_record["rates"][-1]["e2e"]["p99_ms"] / 1e3 if mode_record["rates"] else 0.0
-            if args.mode_budget_s and used + len(requests) / rate + tail_s > args.mode_budget_s:
+            # Its arrivals, then about as long as the last rate's slowest to finish: past the
+            # budget, the rate is not started (scripts/gpu.sh gives each mode a share).
+            tail_s = load.tail_s(mode_record["rates"][-1]) if mode_record["rates"] else 0.0
+            if args.mode_budget_s and used + load.arrival_span_s(rate) + tail_s > args.mode_budget_s:
                 mode_record["skipped_rates_for_budget"] = [r for r in args.rates if r >= rate]
                 print(f"[{mode}] {used:.0f} s used of the {args.mode_budget_s:.0f} s budget: "
-                      f"rates from {rate:g} req/s skipped", flush=True)
+                      f"rates from {rate:g} {unit} skipped", flush=True)
                 break
-            result = run_rate(server, info, requests, rate, args)
+            result = run_rate(server, info, load, rate, args)
             mode_record["rates"].append(result)
             best = max_rate_meeting(mode_record["rates"], args.slo_ttft_s)
             mode_record["max_rate_under_slo"] = best
             # Every tested rate met the SLO: the server's real limit lies above the sweep.
             mode_record["max_rate_is_lower_bound"] = best == rate
             save()
-            print_rate(mode, result)
+            print_rate(mode, result, unit)
             if should_stop(result, args.stop_ttft_s):
                 mode_record["stopped_after_rate"] = rate
                 print(f"[{mode}] stopping the sweep: p99 TTFT {result['ttft']['p99_ms'] / 1e3:.1f} s "
@@ -306,17 +277,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="a random-weights Llama of this shape (default: the built-in demo model)")
     parser.add_argument("--dtype", default=None, help="with --shape (default bfloat16)")
-    parser.add_argument("--rates", default="1,2,4,8,16,32",
-                        help="request rates, req/s, comma-separated (swept ascending)")
-    parser.add_argument("--num-requests", type=int, default=24, help="requests per rate")
-    parser.add_argument("--max-total-len", type=int, default=512,
-                        help="drop requests whose prompt + output exceed this (vLLM's benchmark: "
-                             "2048; 0: keep all). 512 keeps the CPU run's tails short")
+    parser.add_argument("--trace", choices=sorted(TRACE_MODES), default="sharegpt",
+                        help="independent ShareGPT-like requests, or multi-turn conversations")
+    parser.add_argument("--rates", default=None,
+                        help="rates, comma-separated (swept ascending): requests per second "
+                             f"(default {DEFAULT_RATES['sharegpt']}), or with --trace multiturn "
+                             f"conversations begun per second (default {DEFAULT_RATES['multiturn']})")
+    parser.add_argument("--num-requests", type=int, default=24, help="sharegpt: requests per rate")
+    parser.add_argument("--max-total-len", type=int, default=None,
+                        help="sharegpt: drop requests whose prompt + output exceed this (vLLM's "
+                             f"benchmark: 2048; 0: keep all; default {SHAREGPT_CPU_MAX_TOTAL_LEN}, "
+                             "which keeps the CPU run's tails short). multiturn: a conversation "
+                             "ends before the turn that would pass it (default and most: the "
+                             "server's max_model_len)")
+    chat = parser.add_argument_group("--trace multiturn (CPU-sized defaults)")
+    chat.add_argument("--arrival-window-s", type=float, default=20.0,
+                      help="conversations begin for this long at each rate (rate x window of "
+                           "them); a few conversations long, so the load reaches its level")
+    chat.add_argument("--system-prompt-len", type=int, default=128,
+                      help="tokens of the system prompt every conversation shares")
+    chat.add_argument("--user-turn-mean", type=float, default=24.0,
+                      help="mean tokens of a user message (lognormal)")
+    chat.add_argument("--reply-mean", type=float, default=32.0,
+                      help="mean tokens of a reply, the turn's max_tokens (lognormal)")
+    chat.add_argument("--turns", default="3,8", help="MIN,MAX turns of a conversation (uniform)")
+    chat.add_argument("--think-time-s", type=float, default=1.0,
+                      help="mean pause between a reply and the next turn (exponential)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help=f"pool size in blocks for both modes (default on CPU {CPU_NUM_KV_BLOCKS}; on "
-                             "CUDA the paged server's profiled pool)")
-    parser.add_argument("--modes", default=",".join(MODES))
+                        help=f"pool size in blocks for both modes (default on CPU {CPU_NUM_KV_BLOCKS} "
+                             "for sharegpt, the server's own for multiturn; on CUDA the first "
+                             "server's profiled pool)")
+    parser.add_argument("--modes", default=None,
+                        help="comma list, of the trace's two (default both: "
+                             + "; ".join(f"{t}: {','.join(m)}" for t, m in TRACE_MODES.items()) + ")")
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
     parser.add_argument("--stop-ttft-s", type=float, default=10.0,
                         help="stop a mode's sweep after a rate whose p99 TTFT passes this")
@@ -324,21 +318,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="start no rate whose arrivals would end past this many seconds of "
                              "the mode's server (start-up included)")
     parser.add_argument("--warmup-rate-requests", type=int, default=0,
-                        help="before the sweep, this many requests at the lowest rate, untimed")
+                        help="before the sweep, this many requests (multiturn: conversations) at "
+                             "the lowest rate, untimed")
     parser.add_argument("--channels", type=int, default=4, help="gRPC connections of the client")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument("--name", default=None,
-                        help="results file serving_<name>.json (default: <model>_<device>)")
+                        help="results file serving_<name>.json (default: <model>_<device>, "
+                             "<model>-multiturn_<device> for the chat trace)")
     parser.add_argument("--out", default=None, help="directory for the JSON and PNG")
     parser.add_argument("launch_args", nargs=argparse.REMAINDER,
                         help="after --: flags for raypaged launch (e.g. --max-num-seqs 512)")
     args = parser.parse_args(argv)
-    args.rates = sorted(float(r) for r in args.rates.split(",") if r)
-    args.modes = [m for m in args.modes.split(",") if m]
-    if not args.modes or any(m not in MODES for m in args.modes):
-        parser.error(f"--modes: a comma list of {', '.join(MODES)}")
+    args.rates = sorted(float(r) for r in (args.rates or DEFAULT_RATES[args.trace]).split(",") if r)
+    if not args.rates or min(args.rates) <= 0:
+        parser.error("--rates: positive numbers")
+    modes = TRACE_MODES[args.trace]
+    args.modes = [m for m in args.modes.split(",") if m] if args.modes else list(modes)
+    if not args.modes or any(m not in modes for m in args.modes):
+        parser.error(f"--modes with --trace {args.trace}: a comma list of {', '.join(modes)}")
     args.launch_args = [a for a in args.launch_args if a != "--"]
+    if args.max_total_len is None and args.trace == "sharegpt":
+        args.max_total_len = SHAREGPT_CPU_MAX_TOTAL_LEN
     args.max_total_len = args.max_total_len or None
+    try:
+        low, high = (int(t) for t in args.turns.split(","))
+        args.chat_shape = ChatShape(args.system_prompt_len, args.user_turn_mean, args.reply_mean,
+                                    low, high, args.think_time_s)
+        if args.trace == "multiturn":  # against max_model_len too, once the server says it
+            args.chat_shape.validate(args.max_total_len or args.system_prompt_len + 2)
+    except ValueError as e:
+        parser.error(f"--trace multiturn: {e}")
     return args
 
 
@@ -346,10 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     args = parse_args(argv)
     on_cuda = device_tag() != "cpu"
-    num_blocks = args.num_kv_blocks or (None if on_cuda else CPU_NUM_KV_BLOCKS)
-    name = args.name or f"{args.shape or 'demo'}_{device_tag()}"
+    cpu_blocks = CPU_NUM_KV_BLOCKS if args.trace == "sharegpt" else None
+    num_blocks = args.num_kv_blocks or (None if on_cuda else cpu_blocks)
+    model = args.shape or "demo"
+    name = args.name or f"{model}{'-multiturn' if args.trace == 'multiturn' else ''}_{device_tag()}"
     record: dict = {"env": environment(), "load_average_1_5_15min_at_start": os.getloadavg(),
-                    "model": args.shape or "demo", "args": {k: v for k, v in vars(args).items()},
+                    "model": model, "trace": args.trace,
+                    "args": {k: v for k, v in vars(args).items() if k != "chat_shape"},
                     "slo_ttft_s": args.slo_ttft_s}
 
     def save() -> Path:  # after every rate: a run cut short keeps what it measured

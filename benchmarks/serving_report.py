@@ -1,6 +1,7 @@
 """The figures bench_serving.py reports: percentiles as vLLM's benchmark computes them, a
 rate's latency distributions and throughput from the client's per-request timings, the highest
-rate meeting the TTFT SLO, the KV pool's use from the server's gauges; and their table and plot."""
+rate meeting the TTFT SLO, the KV pool's use from the server's gauges, the prefix-cache hit rate
+from its counters; and their table and plot."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class Timing:
     e2e_s: float = math.nan
     gaps_s: list[float] = field(default_factory=list)  # one per token after the first chunk's
     output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # of the prompt, served from the prefix cache (the usage's)
     error: str | None = None
 
 
@@ -91,6 +94,30 @@ def kv_summary(samples: list[dict], block_size: int) -> dict:
     }
 
 
+def prefix_cache_summary(before: dict[str, float], after: dict[str, float],
+                         timings: list[Timing]) -> dict:
+    """A rate's prefix cache, from the server's counters scraped before and after it (once the
+    frontend's poll of the engine has caught up): prompt tokens looked up (`queries`, counted
+    by the engine at each request's first allocation, as vLLM counts them) and of those found
+    (`hits`). hit_rate = hits / queries; with prefix caching off the engine looks nothing up,
+    and the rate is 0 (nothing was served from a cache) as long as prompts were processed. The
+    per-request usage the client got (cached_tokens of prompt_tokens) is kept beside it."""
+    def delta(name: str) -> float:
+        return after.get(f"raypaged_{name}_total", 0.0) - before.get(f"raypaged_{name}_total", 0.0)
+
+    queries, hits, prompt_tokens = delta("prefix_cache_queries"), delta("prefix_cache_hits"), \
+        delta("prompt_tokens")
+    done = [t for t in timings if t.error is None]
+    client_prompt = sum(t.prompt_tokens for t in done)
+    client_cached = sum(t.cached_tokens or 0 for t in done)
+    return {
+        "queries": queries, "hits": hits, "prompt_tokens": prompt_tokens,
+        "hit_rate": hits / queries if queries else (0.0 if prompt_tokens else None),
+        "client_prompt_tokens": client_prompt, "client_cached_tokens": client_cached,
+        "client_cached_share": client_cached / client_prompt if client_prompt else None,
+    }
+
+
 def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
     done = [t for t in timings if t.error is None]
     output_tokens = sum(t.output_tokens for t in done)
@@ -114,49 +141,77 @@ def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
     }
 
 
-def print_rate(mode: str, r: dict) -> None:
+def rate_unit(record: dict) -> str:
+    """What the swept rate counts: requests, or (the multi-turn trace) conversations begun."""
+    return "conv/s" if record.get("trace") == "multiturn" else "req/s"
+
+
+def hit_rate(r: dict) -> float | None:
+    return r.get("prefix_cache", {}).get("hit_rate")
+
+
+def print_rate(mode: str, r: dict, unit: str = "req/s") -> None:
     kv = r["kv"]
-    print(f"[{mode}] {r['rate']:g} req/s: {r['completed']}/{r['requests']} in {r['duration_s']:.1f} s, "
-          f"{r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 {r['ttft']['p50_ms']:.0f}/"
-          f"{r['ttft']['p99_ms']:.0f} ms, ITL p50/p99 {r['itl']['p50_ms']:.0f}/{r['itl']['p99_ms']:.0f} ms, "
-          f"E2E p99 {r['e2e']['p99_ms'] / 1e3:.1f} s; running {kv.get('mean_running', 0):.1f} "
-          f"(peak {kv.get('peak_running', 0)}), pool {kv.get('mean_pool_usage', 0):.0%}; "
-          f"send late p99 {r['send_lateness']['p99_ms']:.0f} ms", flush=True)
+    rate_hits = hit_rate(r)
+    hits = "" if rate_hits is None else f"prefix-cache hits {rate_hits:.1%}; "
+    conversations = r.get("conversations")
+    done = (f"{conversations['completed']}/{conversations['count']} conversations, "
+            if conversations else "")
+    print(f"[{mode}] {r['rate']:g} {unit}: {done}{r['completed']}/{r['requests']} requests in "
+          f"{r['duration_s']:.1f} s, {r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 "
+          f"{r['ttft']['p50_ms']:.0f}/{r['ttft']['p99_ms']:.0f} ms, ITL p50/p99 "
+          f"{r['itl']['p50_ms']:.0f}/{r['itl']['p99_ms']:.0f} ms, E2E p99 {r['e2e']['p99_ms'] / 1e3:.1f} s; "
+          f"{hits}running {kv.get('mean_running', 0):.1f} (peak {kv.get('peak_running', 0)}), "
+          f"pool {kv.get('mean_pool_usage', 0):.0%}; send late p99 {r['send_lateness']['p99_ms']:.0f} ms",
+          flush=True)
 
 
 # ---- table and plot -----------------------------------------------------------------------------
 
 def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> None:
+    """TTFT p99 and p50 against the rate, then (the multi-turn trace) the prefix-cache hit rate
+    or (ShareGPT-like) the normalized latency, throughput and the batch size, one line a mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ttft, normalized, tput, running) = plt.subplots(1, 4, figsize=(20, 4.5))
-    for mode, color in zip(modes, ("tab:blue", "tab:orange")):
+    chat = record.get("trace") == "multiturn"
+    fig, (ttft, second, tput, running) = plt.subplots(1, 4, figsize=(20, 4.5))
+    for mode, color in zip(modes, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         rates = record.get(mode, {}).get("rates", [])
         x = [r["rate"] for r in rates]
         ttft.plot(x, [r["ttft"]["p99_ms"] / 1e3 for r in rates], "o-", color=color, label=f"{mode} p99")
         ttft.plot(x, [r["ttft"]["p50_ms"] / 1e3 for r in rates], "o--", color=color, alpha=0.6,
                   label=f"{mode} p50")
-        normalized.plot(x, [r["normalized_latency"]["mean_ms"] for r in rates], "o-", color=color,
+        if chat:
+            shown = [(r["rate"], rate_hits) for r in rates if (rate_hits := hit_rate(r)) is not None]
+            second.plot([a for a, _ in shown], [100 * b for _, b in shown], "o-", color=color, label=mode)
+        else:
+            second.plot(x, [r["normalized_latency"]["mean_ms"] for r in rates], "o-", color=color,
                         label=mode)
         tput.plot(x, [r["output_tokens_per_s"] for r in rates], "o-", color=color, label=mode)
         running.plot(x, [r["kv"].get("mean_running", 0) for r in rates], "o-", color=color, label=mode)
     ttft.axhline(slo_ttft_s, color="gray", linestyle=":", label=f"{slo_ttft_s:g} s")
     ttft.set_yscale("log")
     ttft.set_ylabel("TTFT (s)")
-    ttft.set_title(f"{record['model']} ({record['env']['device']})")
-    normalized.set_ylabel("mean E2E / output tokens (ms)")
-    normalized.set_title("normalized latency")
+    ttft.set_title(f"{record['model']}, {record.get('trace', 'sharegpt')} ({record['env']['device']})")
+    if chat:
+        second.set_ylabel("prompt tokens from the prefix cache (%)")
+        second.set_ylim(0, 100)
+        second.set_title("prefix-cache hit rate")
+    else:
+        second.set_ylabel("mean E2E / output tokens (ms)")
+        second.set_title("normalized latency")
     tput.set_ylabel("output tokens / s")
     tput.set_title("throughput")
     running.set_ylabel("mean running requests")
     running.set_title(f"batch size ({record.get('num_kv_blocks')} KV blocks)")
-    for ax in (ttft, normalized, tput, running):
+    unit = rate_unit(record)
+    for ax in (ttft, second, tput, running):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("conversations begun / s" if unit == "conv/s" else "request rate (req/s)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -164,21 +219,25 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
 
 
 def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
-    print("\n| mode | rate | req/s | out tok/s | TTFT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 "
-          "| E2E per token | mean running | pool used | filled / held |\n" + "| --- " * 11 + "|")
+    unit = rate_unit(record)
+    print(f"\n| mode | {unit} | req/s | out tok/s | TTFT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 "
+          "| E2E per token | prefix-cache hits | mean running | pool used | filled / held |\n"
+          + "| --- " * 12 + "|")
     for mode in modes:
         for r in record.get(mode, {}).get("rates", []):
             kv = r["kv"]
+            rate_hits = hit_rate(r)
             print(f"| {mode} | {r['rate']:g} | {r['request_throughput']:.2f} | {r['output_tokens_per_s']:,.0f} "
                   f"| {r['ttft']['p50_ms']:,.0f} / {r['ttft']['p99_ms']:,.0f} ms "
                   f"| {r['itl']['p50_ms']:.1f} / {r['itl']['p99_ms']:.1f} ms "
                   f"| {r['e2e']['p50_ms'] / 1e3:.1f} / {r['e2e']['p99_ms'] / 1e3:.1f} s "
-                  f"| {r['normalized_latency']['mean_ms']:.0f} ms | {kv.get('mean_running', 0):.1f} "
-                  f"| {kv.get('mean_pool_usage', 0):.0%} "
+                  f"| {r['normalized_latency']['mean_ms']:.0f} ms "
+                  f"| {'-' if rate_hits is None else f'{rate_hits:.1%}'} "
+                  f"| {kv.get('mean_running', 0):.1f} | {kv.get('mean_pool_usage', 0):.0%} "
                   f"| {kv.get('kv_utilization', 0):.1%} |")
     for mode in modes:
         mode_record = record.get(mode, {})
         best = mode_record.get("max_rate_under_slo")
         above = " (every tested rate: the limit is higher)" if mode_record.get("max_rate_is_lower_bound") else ""
         print(f"max rate with p99 TTFT < {slo_ttft_s:g} s, {mode}: "
-              f"{'none of the tested rates' if best is None else f'{best:g} req/s'}{above}")
+              f"{'none of the tested rates' if best is None else f'{best:g} {unit}'}{above}")

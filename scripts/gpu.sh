@@ -29,6 +29,8 @@
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
+#   serving-multiturn  multi-turn chat (shared system prompt, whole history resent), prefix caching
+#                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~8 (not run yet: an estimate)
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
@@ -42,8 +44,8 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving channel staging
-         sampler)
+ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving
+         serving-multiturn channel staging sampler)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -119,6 +121,16 @@ suite() {
         serving) use_ray && bench serving 560 python3 -m benchmarks.bench_serving --shape 8b --rates 24,40,56 \
             --num-requests 1000 --warmup-rate-requests 200 --max-total-len 2048 --stop-ttft-s 10 \
             --mode-budget-s 200 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
+        # Conversations begun at 2 / 4 / 8 a second for 25 s each (rate x 25 of them): ~1,020 reply
+        # tokens a conversation, so 8 a second asks about the ~9k output tok/s the serving suite
+        # saturated at, with longer contexts; without the cache every turn prefills its whole
+        # history (~7,100 tokens a conversation), which should put that mode's knee lower. Each
+        # mode's budget leaves room for a slow last rate under the 560 s.
+        serving-multiturn) use_ray && bench serving-multiturn 560 python3 -m benchmarks.bench_serving --shape 8b \
+            --trace multiturn --rates 2,4,8 --arrival-window-s 25 --system-prompt-len 500 --user-turn-mean 100 \
+            --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 --stop-ttft-s 10 \
+            --mode-budget-s 270 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;

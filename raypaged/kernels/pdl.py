@@ -46,11 +46,17 @@ def set_enabled(enabled: bool) -> None:
     _enabled.cache_clear()
 
 
+def supported(device: torch.device) -> bool:
+    """Whether PDL can run on `device` at all, whatever the settings say: a CUDA GPU of compute
+    capability 9 or more, and a Triton that has the launch option and the wait."""
+    return device.type == "cuda" and device_properties(device).major >= 9 and _triton_has_pdl()
+
+
 @functools.cache
 def _enabled(device: torch.device) -> bool:
     if not (_allowed and envs.RAYPAGED_PDL):
         return False
-    return device_properties(device).major >= 9 and _triton_has_pdl()
+    return supported(device)
 
 
 def pdl_launch(x: torch.Tensor) -> dict:

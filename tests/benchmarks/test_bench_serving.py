@@ -1,35 +1,36 @@
 """The serving benchmark's pure parts: percentiles, the Poisson schedule, the client-side timing of
-a stream, the per-rate summary, the KV summary and the max-rate choice. (Its figures come from a
-real server; here only that what it computes is right.)"""
+a stream, the per-rate summary, the KV and prefix-cache summaries and the max-rate choice (its
+figures come from a real server; here that what it computes is right); and the multi-turn
+trace end to end against the demo model, checked against what its plan implies."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from benchmarks.bench_serving import (
-    FIRST_ID,
-    fresh_prompts,
-    poisson_offsets,
-    send,
-    trace_requests,
-)
+from benchmarks import bench_serving
+from benchmarks.bench_serving import trace_requests
+from benchmarks.bench_throughput import FIRST_ID
+from benchmarks.serving_chat import ChatShape, Conversation, plan_conversations
+from benchmarks.serving_load import fresh_prompts, poisson_offsets, send
 from benchmarks.serving_report import (
     Timing,
     kv_summary,
     max_rate_meeting,
     percentile,
+    prefix_cache_summary,
     should_stop,
     summarize_rate,
 )
+from raypaged.client import CompletionChunk, StreamChunk, Usage
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
@@ -94,14 +95,9 @@ def test_should_stop_past_the_limit_or_on_errors():
     assert should_stop(rate_result(8, math.nan), stop_ttft_s=10)
 
 
-@dataclass
-class FakeOutput:
-    token_ids: list[int]
-
-
-@dataclass
-class FakeChunk:
-    outputs: list[FakeOutput]
+def stream_chunk(token_ids: list[int], usage: Usage | None = None) -> StreamChunk:
+    """What the client yields: one sample's new tokens, the usage on the stream's last."""
+    return StreamChunk("r", [CompletionChunk(0, "", token_ids, None, None, None)], usage)
 
 
 class FakeClient:
@@ -113,9 +109,11 @@ class FakeClient:
 
     async def stream(self, prompt, **params):
         self.asked = params
-        for delay, count in self.chunks:
+        for i, (delay, count) in enumerate(self.chunks):
             await asyncio.sleep(delay)
-            yield FakeChunk([FakeOutput(list(range(count)))])
+            last = i == len(self.chunks) - 1
+            yield stream_chunk(list(range(100 * i, 100 * i + count)),
+                               Usage(len(prompt), 5, 32) if last else None)
 
 
 def test_send_times_first_token_and_splits_a_chunk_gap_over_its_tokens():
@@ -130,8 +128,15 @@ def test_send_times_first_token_and_splits_a_chunk_gap_over_its_tokens():
     assert timing.gaps_s[3] >= 0.02
     assert timing.e2e_s == pytest.approx(timing.ttft_s + sum(timing.gaps_s), rel=1e-9)
 
+    assert (timing.prompt_tokens, timing.cached_tokens) == (2, 32)  # the usage of the last chunk
+
     short = asyncio.run(send(FakeClient([(0.0, 2)]), [5], output_len=3, due=time.perf_counter()))
     assert short.error == "2 tokens streamed for max_tokens 3"
+
+    reply: list[int] = [9]
+    asyncio.run(send(FakeClient([(0.0, 1), (0.0, 0), (0.0, 3)]), [5], output_len=4,
+                     due=time.perf_counter(), reply=reply))
+    assert reply == [9, 0, 200, 201, 202]  # appended, as streamed
 
 
 def test_summary_counts_only_completed_requests():
@@ -169,3 +174,75 @@ def test_kv_summary_averages_the_busy_samples():
     assert summary["unfilled_slots_per_running_request"] == pytest.approx(60 / 6)
     assert (summary["mean_running"], summary["peak_running"], summary["peak_waiting"]) == (3, 4, 3)
     assert kv_summary([kv_sample(0, 0, 0, 0.0)], 16) == {"samples": 1, "busy_samples": 0}
+
+
+def counters(queries: float, hits: float, prompt_tokens: float) -> dict[str, float]:
+    return {"raypaged_prefix_cache_queries_total": queries, "raypaged_prefix_cache_hits_total": hits,
+            "raypaged_prompt_tokens_total": prompt_tokens, "raypaged_num_preemptions_total": 3.0}
+
+
+def test_prefix_cache_summary_is_the_counters_change_over_the_rate():
+    timings = [Timing(0.0, ttft_s=0.1, e2e_s=1.0, output_tokens=2, prompt_tokens=600, cached_tokens=512),
+               Timing(0.0, ttft_s=0.1, e2e_s=1.0, output_tokens=2, prompt_tokens=100, cached_tokens=0),
+               Timing(0.0, prompt_tokens=50, error="UNAVAILABLE: gone")]
+    summary = prefix_cache_summary(counters(1000, 200, 1000), counters(1700, 712, 1700), timings)
+    assert (summary["queries"], summary["hits"], summary["prompt_tokens"]) == (700, 512, 700)
+    assert summary["hit_rate"] == pytest.approx(512 / 700)
+    assert (summary["client_prompt_tokens"], summary["client_cached_tokens"]) == (700, 512)
+    # Caching off: no lookups, prompts processed, nothing served from a cache.
+    off = prefix_cache_summary(counters(0, 0, 10), counters(0, 0, 710), timings[1:2])
+    assert off["hit_rate"] == 0.0 and off["client_cached_share"] == 0.0
+    assert prefix_cache_summary(counters(0, 0, 0), counters(0, 0, 0), [])["hit_rate"] is None
+
+
+def planned_prompt_lens(conversation: Conversation, system_len: int) -> list[int]:
+    """Each turn's prompt: the system prompt, every earlier message and reply, its message."""
+    lens, history = [], system_len
+    for turn in conversation.turns:
+        lens.append(history + turn.user_len)
+        history += turn.user_len + turn.reply_len
+    return lens
+
+
+@pytest.mark.integration
+def test_the_multiturn_trace_end_to_end_on_the_demo_model(tmp_path):
+    """Both modes of --trace multiturn against `raypaged launch` serving the demo model: every
+    planned turn sent and streamed in full, the settings recorded, and the server's prefix-cache
+    counters over the rate what the trace implies — with caching, each later turn found at
+    least the blocks its conversation's previous turn computed; without, nothing looked up."""
+    code = bench_serving.main([
+        "--trace", "multiturn", "--rates", "1", "--arrival-window-s", "4", "--turns", "2,3",
+        "--system-prompt-len", "64", "--user-turn-mean", "12", "--reply-mean", "12",
+        "--think-time-s", "0.2", "--out", str(tmp_path)])
+    assert code == 0
+    record = json.loads((tmp_path / "serving_demo-multiturn_cpu.json").read_text())
+    assert (tmp_path / "serving_demo-multiturn_cpu.png").stat().st_size > 0
+    plan = plan_conversations(4, ChatShape(64, 12, 12, 2, 3, 0.2), max_total_len=1024, seed=0)
+    prompts = [planned_prompt_lens(c, 64) for c in plan]
+    total = sum(map(sum, prompts))
+    block = 16
+    # Turn k >= 1 finds the full blocks of turn k-1's prompt and reply but its last token (whose
+    # K/V nothing computed); the system prompt's blocks may be found too, never a whole prompt.
+    at_least = sum((p + t.reply_len - 1) // block * block
+                   for c, ps in zip(plan, prompts) for p, t in zip(ps[:-1], c.turns[:-1]))
+    at_most = sum((p - 1) // block * block for ps in prompts for p in ps)
+    on, off = record["prefix-cache"], record["no-prefix-cache"]
+    for mode, caching in ((on, True), (off, False)):
+        assert mode["settings"]["effective"]["prefix_caching"] is caching
+        assert mode["settings"]["effective"]["async_scheduling"] is True  # launch's default
+        assert mode["trace"]["conversations"] == 4 and mode["trace"]["turns"] == sum(map(len, prompts))
+        (rate,) = mode["rates"]
+        assert rate["errors"] == 0 and rate["preemptions"] == 0
+        assert rate["conversations"]["completed"] == 4 == rate["conversations"]["count"]
+        assert rate["completed"] == rate["conversations"]["turns_sent"] == sum(map(len, prompts))
+        assert rate["output_tokens"] == sum(t.reply_len for c in plan for t in c.turns)
+        cache = rate["prefix_cache"]
+        assert cache["client_prompt_tokens"] == cache["prompt_tokens"] == total
+    hits = on["rates"][0]["prefix_cache"]
+    assert hits["queries"] == total  # every prompt token looked up once
+    assert at_least <= hits["hits"] <= at_most
+    assert hits["client_cached_tokens"] == hits["hits"]  # the usage each stream ended with
+    assert hits["hit_rate"] == pytest.approx(hits["hits"] / total) and hits["hit_rate"] > 0.3
+    misses = off["rates"][0]["prefix_cache"]
+    assert misses["queries"] == misses["hits"] == misses["client_cached_tokens"] == 0
+    assert misses["hit_rate"] == 0.0

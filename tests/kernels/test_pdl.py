@@ -59,6 +59,17 @@ def test_never_on_cpu_and_off_when_turned_off(pdl_env, monkeypatch):
     assert not pdl._enabled(torch.device("cuda", 0))
 
 
+def test_supported_asks_the_device_not_the_settings(pdl_env, monkeypatch):
+    pdl_env("0")
+    pdl.set_enabled(False)
+    assert not pdl.supported(torch.device("cpu"))
+    for major, expected in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(pdl, "device_properties", lambda device, m=major: type("P", (), {"major": m}))
+        assert pdl.supported(torch.device("cuda", 0)) is expected  # off by setting, still supported
+        assert not pdl._enabled(torch.device("cuda", 0))
+        pdl._enabled.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper-class GPU")
