@@ -30,7 +30,7 @@
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
 #   serving-multiturn  multi-turn chat (shared system prompt, whole history resent), prefix caching
-#                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~8 (not run yet: an estimate)
+#                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~6
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
@@ -128,9 +128,9 @@ suite() {
         # history (~7,100 tokens a conversation), which should put that mode's knee lower. Each
         # mode's budget leaves room for a slow last rate under the 560 s.
         serving-multiturn) use_ray && bench serving-multiturn 560 python3 -m benchmarks.bench_serving --shape 8b \
-            --trace multiturn --rates 2,4,8 --arrival-window-s 25 --system-prompt-len 500 --user-turn-mean 100 \
+            --trace multiturn --rates 2,4,8 --arrival-window-s 15 --system-prompt-len 500 --user-turn-mean 100 \
             --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 --stop-ttft-s 10 \
-            --mode-budget-s 270 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
+            --mode-budget-s 185 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
