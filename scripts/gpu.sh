@@ -130,7 +130,7 @@ suite() {
         serving-multiturn) use_ray && bench serving-multiturn 560 python3 -m benchmarks.bench_serving --shape 8b \
             --trace multiturn --rates 2,4,8 --arrival-window-s 15 --system-prompt-len 500 --user-turn-mean 100 \
             --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 --stop-ttft-s 10 \
-            --mode-budget-s 185 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
+            --mode-budget-s 200 --warmup-rate-requests 20 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
