@@ -99,6 +99,34 @@ def test_triton_kernels_end_to_end_under_the_interpreter(async_scheduling):
     assert_matches_hf("llama", prompts, results, max_tokens=4)
 
 
+def test_triton_decode_work_lists_compose_with_caching_chunking_preemption_and_n(
+        async_scheduling, monkeypatch):
+    """Decode batches of mixed lengths cut into work items (a long request split, its partials
+    merged) while a shared prefix is served from the cache, prompts are chunked, requests are
+    preempted and recomputed, and each prompt forks n = 2 samples: every sample is greedy's."""
+    from raypaged.kernels import decode_work, paged_decode
+
+    planned: list = []
+    plan_work = paged_decode.plan_work
+
+    def recording_plan_work(*args, **kwargs):
+        planned.append(plan_work(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(paged_decode, "plan_work", recording_plan_work)
+    vocab = vocab_of("llama")
+    shared = random_prompts([24], vocab, seed=11)[0]
+    prompts = [shared + p for p in random_prompts([200, 20, 16], vocab, seed=12)] + [shared[:5]]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm, results = run("llama", prompts, params, block_size=8, attention_backend="triton",
+                       enable_prefix_caching=True, max_num_batched_tokens=64,
+                       num_gpu_blocks_override=40, async_scheduling=async_scheduling)
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+    assert sum(r.num_cached_tokens for r in results) > 0
+    assert any(int(w[decode_work.MERGES, 0]) >= 0 for w in planned)  # a split sequence merged
+    assert_matches_hf("llama", prompts, results, max_tokens=8)
+
+
 def test_stops_on_eos_and_stop_token_ids(async_scheduling):
     name = "llama"
     prompt = random_prompts([9], vocab_of(name), seed=9)[0]
