@@ -67,6 +67,10 @@ def default_executor_class(config: EngineConfig) -> type[Executor]:
 
 
 class EngineCore:
+    # Structured outputs' manager, built on the first request with a grammar (a class default:
+    # an engine without one, or built around __init__ as tests do, never touches xgrammar).
+    _structured: StructuredOutputManager | None = None
+
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         """Raises ConfigError (ModelConfigError: one the checkpoint rules out) for settings
         that can never work, before any worker starts."""
@@ -89,7 +93,6 @@ class EngineCore:
         self.scheduler = make_scheduler(config.scheduler.build(self.num_blocks, self.max_model_len),
                                         kv_cache_manager=self._contiguous_manager() if contiguous else None)
         self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
-        self._structured: StructuredOutputManager | None = None  # built on the first grammar
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
         self._queued_since: dict[str, float] = {}
