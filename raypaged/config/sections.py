@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from raypaged.config.base import check, check_choices, parse_bytes, setting
+from raypaged.config.base import ConfigError, check, check_choices, parse_bytes, setting
 from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 
 KV_CACHE_MODES = ("paged", "contiguous")
@@ -36,9 +36,14 @@ class ModelSettings:
     seed: int = setting(0, "seeds random weights and unseeded sampling; `generate` also uses it "
                            "as the request's sampling seed")
     device: str = setting("auto", "auto: cuda where there is one", choices=("auto", "cpu", "cuda"))
+    structured_output_compile_timeout_s: float = setting(
+        30.0, "seconds a structured output's grammar may take to compile before its request is "
+              "ended with an error")
 
     def validate(self) -> None:
         check_choices(self)
+        if not self.structured_output_compile_timeout_s > 0:
+            raise ConfigError("structured_output_compile_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ are back, and hands step N's tokens to update_from_output after that. So a step'
 computed as soon as it is scheduled, and each request the step will sample for gets a
 PLACEHOLDER_TOKEN_ID as its next token, which step N+1 may already schedule (the workers put the
 sampled token in its place). A request whose next token may end it for length, or that forks
-(n > 1) on it, gets no placeholder: it sits out step N+1. A stop token ends a request one step
+(n > 1) on it, gets no placeholder: it sits out step N+1. So does a request with a
+structured output: its next step's grammar mask needs the token this one samples, so it runs
+every other step (half its decode rate while other requests keep the pipeline full; alone, its
+steps are as synchronous ones). A stop token ends a request one step
 late: the token step N+1 computed for it is dropped.
 
 Everything else is the Scheduler's: this class only overrides its hooks.
@@ -76,7 +79,8 @@ class AsyncScheduler(Scheduler):
                 ends_append(end)
                 tokens = request.all_token_ids
                 if end == len(tokens) and end < request.max_num_tokens - 1 and (
-                        request.sampling_params.n == 1 or end > len(request.prompt_token_ids)):
+                        request.sampling_params.n == 1 or end > len(request.prompt_token_ids)) \
+                        and request.constraint is None:
                     tokens.append(PLACEHOLDER_TOKEN_ID)
             self._in_flight.append((out, scheduled, ends))
         elif not self._in_flight:

@@ -57,6 +57,11 @@ class SchedulerOutput:
     # Copy-on-write: (src block, dst block) pairs to copy in every layer before the forward. No
     # dst repeats or is also a src, so one batched gather-then-scatter applies them all.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: int32 [R, ceil(V/32)] numpy array, row i the tokens grammar_req_ids[i]
+    # may sample this step (raypaged/structured/bitmask.py). None when no scheduled request has
+    # a grammar: unconstrained steps carry nothing.
+    grammar_bitmask: object | None = None
+    grammar_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

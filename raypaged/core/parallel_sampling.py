@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from raypaged.core.errors import UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutput, request_output
-from raypaged.core.request import Request, RequestStatus
+from raypaged.core.request import FinishReason, Request, RequestStatus
 from raypaged.core.sample_ids import parse_sample_id, sample_request_id
 from raypaged.core.stop_checks import check_stop, prepare_stop_checks
+from raypaged.core.structured_output import DEAD_END
 
 
 def requests_named(ids: list[str], requests: dict[str, Request],
@@ -41,7 +42,9 @@ def requests_named(ids: list[str], requests: dict[str, Request],
 def new_sample(parent: Request, index: int, token: int, max_model_len: int) -> Request:
     """Sample `index` (> 0) of the parent's group with its first token appended, holding no
     blocks and nothing computed yet. If that token already stops it, it is returned FINISHED
-    (with its finish reason): it never needs blocks of its own."""
+    (with its finish reason): it never needs blocks of its own. A constrained parent (which
+    has accepted no output token yet) gives the child a fork of its grammar state; a token that
+    grammar rejects finishes the child (abort, DEAD_END) without the token."""
     group_id = parent.group_id
     child = Request(
         request_id=sample_request_id(group_id, index), prompt_token_ids=parent.prompt_token_ids,
@@ -50,8 +53,16 @@ def new_sample(parent: Request, index: int, token: int, max_model_len: int) -> R
         group_id=group_id, sample_index=index)
     prepare_stop_checks(child, max_model_len)
     child.num_cached_tokens = parent.num_cached_tokens
+    if parent.constraint is not None:
+        child.constraint = parent.constraint.fork()
+        if not child.constraint.accept(token):
+            child.status, child.finish_reason, child.stop_reason = (
+                RequestStatus.FINISHED, FinishReason.ABORT, DEAD_END)
+            return child
     child.append_output_token(token)
     reason, stop_reason = check_stop(child, token, max_model_len)
+    if reason is None and child.constraint is not None and child.constraint.is_terminated():
+        reason, stop_reason = FinishReason.STOP, token
     if reason is not None:
         child.status, child.finish_reason, child.stop_reason = RequestStatus.FINISHED, reason, stop_reason
     return child

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.structured_output import Constraint
 
 # Asynchronous scheduling: the scheduler plans step N+1 before step N's sampled tokens are back.
 # A request that step N samples for gets this id appended in their place; step N+1 sends it as
@@ -60,6 +61,9 @@ class Request:
     # Its next output record must be kept whole (see EngineCoreOutputs): until its first token,
     # and for good for a sample i > 0 or a request that asked for logprobs.
     whole_records: bool = field(init=False, default=True, repr=False)
+    # Structured output: its grammar state, set by the engine once the grammar compiled. Its
+    # records are always kept whole (the scheduler advances it with each token).
+    constraint: Constraint | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.group_id:

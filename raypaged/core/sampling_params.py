@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from raypaged.core.errors import InvalidRequestError
+from raypaged.core.structured_output import StructuredOutput
 from raypaged.core.text_check import lone_surrogate
 
 
@@ -26,11 +27,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # matched on text by the frontend, not by the engine
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return with each sampled token
+    # Constrained decoding: the output must match this (a dict in vLLM's structured_outputs shape
+    # is accepted and converted). None: unconstrained, and it costs nothing.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        if isinstance(self.structured_output, dict):
+            object.__setattr__(self, "structured_output", StructuredOutput.from_dict(self.structured_output))
         self.validate()
 
     @property
@@ -63,6 +69,8 @@ class SamplingParams:
              "stop strings must be valid text (no lone UTF-16 surrogates)"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be in [0, 20], got {self.logprobs!r}"),
+            (self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+             "structured_output must be a StructuredOutput"),
         ]
         for ok, message in checks:
             if not ok:

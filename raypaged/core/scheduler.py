@@ -58,6 +58,7 @@ from raypaged.core.request import (
 from raypaged.core.request_queue import make_request_queue
 from raypaged.core.scheduler_config import SchedulerConfig
 from raypaged.core.stop_checks import check_stop, prepare_stop_checks
+from raypaged.core.structured_output import DEAD_END
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -124,6 +125,16 @@ class Scheduler:
         self.requests[request_id] = request
         self._groups.setdefault(request.group_id, set()).add(request_id)
         self.waiting.add(request)
+
+    def check_request(self, request: Request) -> None:
+        """What add_request would raise for the request, without queueing it (the engine asks
+        before it holds a request back while its grammar compiles)."""
+        check_new_request(request, self.config, self.kv_cache_manager, self.requests, self._groups,
+                          len(self.waiting))
+
+    def has_group(self, group_id: str) -> bool:
+        """Whether any sample of the group is unfinished."""
+        return group_id in self._groups
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished (or, AsyncScheduler, a step still to be answered)."""
@@ -461,13 +472,23 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r}: expected one sampled token, "
                              f"got {len(sampled)}")
         token = sampled[0]
+        constraint = request.constraint
+        if constraint is not None and not constraint.accept(token):
+            # The grammar allows no token here (or the row sampled outside its mask): end it
+            # without the token, never emit an unconstrained one.
+            self._finish(request, FinishReason.ABORT, DEAD_END, self._finished_req_ids)
+            outputs.append(request_output(request, [], None))
+            return True
         tokens = request.all_token_ids
         if position == len(tokens):
             tokens.append(token)
         else:
             tokens[position] = token
-        request.whole_records = request.sample_index != 0 or params.logprobs is not None
+        request.whole_records = (request.sample_index != 0 or params.logprobs is not None
+                                 or constraint is not None)
         reason, stop_reason = check_stop(request, token, self.config.max_model_len)
+        if reason is None and constraint is not None and constraint.is_terminated():
+            reason, stop_reason = FinishReason.STOP, token  # the grammar's stop token (ignore_eos)
         if reason is not None:
             self._finish(request, reason, stop_reason, self._finished_req_ids)
         outputs.append(request_output(request, [token], logprobs))
@@ -487,7 +508,9 @@ class Scheduler:
         forked: list[Request] = []
         for i in range(1, n):
             child = new_sample(parent, i, sampled[i], self.config.max_model_len)
-            outputs.append(request_output(child, [sampled[i]], [logprobs[i]] if logprobs else None))
+            # A dead end on its first token ends it without the token (parallel_sampling.py).
+            first = [sampled[i]] if child.num_output_tokens else []
+            outputs.append(request_output(child, first, [logprobs[i]] if logprobs and first else None))
             if child.status is RequestStatus.FINISHED:
                 continue
             self.requests[child.request_id] = child

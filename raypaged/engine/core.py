@@ -18,16 +18,21 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from raypaged.config import EngineConfig
 from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
-from raypaged.core.errors import EngineDeadError, UnknownRequestError
+from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
-from raypaged.core.request import Request
+from raypaged.core.parallel_sampling import end_records
+from raypaged.core.request import FinishReason, Request, RequestStatus
 from raypaged.executor.base import Executor
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from raypaged.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,10 @@ def default_executor_class(config: EngineConfig) -> type[Executor]:
 
 
 class EngineCore:
+    # Structured outputs' manager, built on the first request with a grammar (a class default:
+    # an engine without one, or built around __init__ as tests do, never touches xgrammar).
+    _structured: StructuredOutputManager | None = None
+
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         """Raises ConfigError (ModelConfigError: one the checkpoint rules out) for settings
         that can never work, before any worker starts."""
@@ -115,15 +124,55 @@ class EngineCore:
                     stop_token_ids=request.sampling_params.stop_token_ids + extra)
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        spec = request.sampling_params.structured_output
+        if spec is not None:
+            structured = self._structured_outputs()
+            structured.validate(spec)  # InvalidRequestError naming the problem, nothing queued
+            with self._lock:
+                if structured.holds(request.request_id):
+                    raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+                self.scheduler.check_request(request)
+                structured.add(request)  # queued in the scheduler once its grammar compiled
+                self._queued_since[request.request_id] = time.monotonic()
+            return
         with self._lock:
             self.scheduler.add_request(request)
             self._queued_since[request.request_id] = time.monotonic()
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        if self._structured is None:
+            from raypaged.structured.manager import StructuredOutputManager
+
+            settings = self.config.model_settings
+            self._structured = StructuredOutputManager(
+                settings.tokenizer or self.model_dir, self.model_config.vocab_size,
+                self.eos_token_ids, settings.structured_output_compile_timeout_s)
+        return self._structured
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar compiled; end those whose compile failed or timed
+        out (their records go out with this step). Under the lock."""
+        structured = self._structured
+        if structured is None or not structured.num_compiling:
+            return
+        ready, failed = structured.poll()
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except InvalidRequestError as e:  # e.g. the waiting queue filled meanwhile
+                failed.append((request, str(e)))
+        for request, error in failed:
+            self._end_unqueued(request, error)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort what is still held; ids that already finished are a benign race, not an error.
         The abort records go out with the next step's outputs."""
         with self._lock:
             for request_id in request_ids:
+                held = self._structured.abort(request_id) if self._structured is not None else None
+                if held is not None:
+                    self._end_unqueued(held, None)
+                    continue
                 try:
                     aborted = self.scheduler.abort_requests([request_id])
                 except UnknownRequestError:
@@ -131,8 +180,17 @@ class EngineCore:
                 for out in aborted:
                     self._pending_outputs.append(out)
 
+    def _end_unqueued(self, request: Request, error: str | None) -> None:
+        """End a request the scheduler never took (its grammar compiling or failed): aborted,
+        with `error` when the engine failed it."""
+        request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        for out in end_records(request):
+            out.error = error
+            self._pending_outputs.append(out)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        compiling = self._structured is not None and self._structured.num_compiling > 0
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or compiling
 
     def step(self) -> EngineCoreOutputs:
         """One engine step: schedule, execute, update; the workers answer the step in this call.
@@ -140,7 +198,9 @@ class EngineCore:
         scheduling (an AsyncScheduler) the step is step_with_batch_queue."""
         if isinstance(self.scheduler, AsyncScheduler):
             return self.step_with_batch_queue()
+        self._wait_for_grammars()
         with self._lock:
+            self._admit_compiled()
             outputs = self._take_outputs()
             if not self.scheduler.has_unfinished_requests():
                 return self._idle(outputs)
@@ -153,13 +213,22 @@ class EngineCore:
         are the step's update. The scheduler's in-flight queue is the batch queue."""
         scheduler = self.scheduler
         assert isinstance(scheduler, AsyncScheduler)
+        self._wait_for_grammars()
         with self._lock:
+            self._admit_compiled()
             outputs = self._take_outputs()
             if not scheduler.has_unfinished_requests():
                 return self._idle(outputs)
             answered = scheduler.oldest_in_flight()
             scheduler_output = self._schedule()
         return self._execute_and_update(scheduler_output, answered, outputs)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing but compiles to wait for: block briefly on them rather than spin the loop."""
+        structured = self._structured
+        if (structured is not None and structured.num_compiling
+                and not self.scheduler.has_unfinished_requests() and not self._pending_outputs):
+            structured.wait(0.01)
 
     def _take_outputs(self) -> EngineCoreOutputs:
         outputs, self._pending_outputs = self._pending_outputs, EngineCoreOutputs()
@@ -173,6 +242,9 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
+        if self._structured is not None:
+            self._structured.fill_bitmask(scheduler_output, self.scheduler.requests,
+                                          self.scheduler.has_group)
         if self._queued_since:
             self._note_first_scheduled(scheduler_output.scheduled_new_reqs)
         return scheduler_output
@@ -269,4 +341,6 @@ class EngineCore:
             raise
 
     def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         self.executor.shutdown()

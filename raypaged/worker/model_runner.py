@@ -27,6 +27,7 @@ from raypaged.core.sampling_params import SamplingParams
 from raypaged.kernels import ops
 from raypaged.model.attention import AttentionMetadata
 from raypaged.model.parallel import get_tp_size, tp_broadcast
+from raypaged.structured.bitmask import apply_grammar_bitmask
 from raypaged.worker.async_output import InFlightTokens, add_sampled_tokens
 from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
@@ -254,6 +255,8 @@ class ModelRunner:
         if row_states:
             logits = self.model.compute_logits(hidden if step.sample_rows is None
                                                else hidden[step.sample_rows])
+            if out.grammar_bitmask is not None and self.is_driver:
+                self._apply_grammar(out, row_states, logits)
         if not self.async_output:
             return self._sample(step, logits, sync=True)
         previous = self._take_previous()  # the histories need its tokens before this step samples
@@ -311,6 +314,20 @@ class ModelRunner:
         add_sampled_tokens(cast(ModelRunnerOutput, result), row_states, sampled.sampled_token_ids.tolist(),
                            row_logprobs)
         return result
+
+    @staticmethod
+    def _apply_grammar(out: SchedulerOutput, row_states: list[CachedRequestState],
+                       logits: torch.Tensor) -> None:
+        """Mask the sampled rows of the step's constrained requests (every sample row of an
+        n > 1 prompt gets its request's mask)."""
+        mask_row = {req_id: i for i, req_id in enumerate(out.grammar_req_ids)}
+        logit_rows, mask_rows = [], []
+        for row, state in enumerate(row_states):
+            k = mask_row.get(state.req_id)
+            if k is not None:
+                logit_rows.append(row)
+                mask_rows.append(k)
+        apply_grammar_bitmask(logits, cast(np.ndarray, out.grammar_bitmask), logit_rows, mask_rows)
 
     def _take_previous(self) -> ModelRunnerOutput | None:
         """The previous step's answer (an empty one after a step that ran nothing)."""
