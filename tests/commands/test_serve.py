@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -119,3 +122,18 @@ def test_sigterm_stops_both_front_doors(served):
     assert "Traceback" not in output
     with pytest.raises(openai.APIConnectionError):
         openai.OpenAI(base_url=api(served).base_url, api_key="x", max_retries=0, timeout=5).models.list()
+
+
+def test_serve_refuses_an_http_port_in_use_before_starting_anything():
+    """As launch does for its gRPC port (tests/commands/test_launch.py): Ray's address leads
+    nowhere and the model does not exist, so only the port check can be what failed."""
+    with socket.create_server(("127.0.0.1", 0)) as taken, socket.create_server(("127.0.0.1", 0)) as dead:
+        port = taken.getsockname()[1]
+        dead_ray = f"127.0.0.1:{dead.getsockname()[1]}"
+        dead.close()
+        result = subprocess.run([sys.executable, "-m", "raypaged.cli", "serve", "/nonexistent-model-dir",
+                                 "--port", str(port), "--grpc-port", "0", "--address", dead_ray],
+                                capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stderr
+    assert f"raypaged serve: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr

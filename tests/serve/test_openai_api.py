@@ -4,6 +4,7 @@ openai package's own types. The live server is tests/commands/test_serve.py."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -175,3 +176,24 @@ def test_request_body_bound(service):
                           headers={"content-type": "application/json"})
     assert chunked.status_code == 413
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_tls_options_for_uvicorn():
+    from raypaged.frontend.tls import TLSConfig
+    from raypaged.serve.standalone_http import ssl_options
+
+    assert ssl_options(None) == {}
+    assert ssl_options(TLSConfig("c.pem", "k.pem")) == {"ssl_certfile": "c.pem", "ssl_keyfile": "k.pem"}
+    mutual = ssl_options(TLSConfig("c.pem", "k.pem", "ca.pem"))
+    assert mutual["ssl_ca_certs"] == "ca.pem" and mutual["ssl_cert_reqs"] == ssl.CERT_REQUIRED
+
+
+def test_serve_command_line(capsys):
+    from raypaged.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "/models/x", "--port", "0", "--grpc-port", "7"])
+    assert (args.model_path, args.http_port, args.port, args.host) == ("/models/x", 0, 7, "127.0.0.1")
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.model_path, defaults.http_port, defaults.port) == (None, 8000, 50051)
+    assert main(["serve", "/models/a", "--model", "/models/b"]) == 2
+    assert "MODEL and --model" in capsys.readouterr().err
