@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -112,10 +113,22 @@ def test_errors_in_openais_shape(served):
 
 
 def test_sigterm_stops_both_front_doors(served):
-    """Last in the module: the server is gone after it."""
+    """Last of the tests on the served process: the server is gone after it. A stream in flight
+gets to finish (launch's grace period, 30 s)."""
+    stream = iter(api(served).chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=300, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = [valid(next(stream))]
     with Client(grpc_address(served)) as client:
         assert client.health() == "SERVING"
-    served.process.send_signal(signal.SIGTERM)
+        served.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 120  # a liveness bound, generous for a loaded machine
+        while client.health() != "NOT_SERVING":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    chunks += [valid(c) for c in stream]  # the HTTP stream in flight runs to its end
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 300
     assert served.process.wait(timeout=120) == 0
     output = "".join(served.lines)
     assert "SIGTERM: shutting down" in output and "raypaged stopped" in output
