@@ -10,11 +10,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypaged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each module's add_parser() stays import-light; the heavy imports happen inside its run().
-    from raypaged.commands import generate, launch
+    from raypaged.commands import generate, launch, serve
     from raypaged.simulator import cli as simulate_cli
 
     generate.add_parser(sub)
     launch.add_parser(sub)
+    serve.add_parser(sub)
     simulate_cli.add_parser(sub)
     return parser
 

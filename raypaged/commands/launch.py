@@ -1,22 +1,38 @@
 """`raypaged launch`: start (or join) Ray, create the engine actor and its TP workers, serve gRPC
-and Prometheus metrics, and shut everything down on SIGINT / SIGTERM."""
+and Prometheus metrics, and shut everything down on SIGINT / SIGTERM. `raypaged serve`
+(commands/serve.py) is the same with the OpenAI HTTP API attached."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from raypaged.commands.network_security import add_security_args, security_from_args
 from raypaged.config import SERVING_MAX_WAITING_REQUESTS, EngineConfig
+
+if TYPE_CHECKING:
+    from raypaged.frontend.server import FrontendServer
+
+# Another front door over a started FrontendServer: its ready-line words and how to stop it.
+Attach = Callable[["FrontendServer"], Awaitable[tuple[str, Callable[[], Awaitable[Any]]]]]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("launch", help="serve a model over gRPC (the built-in demo model by default)",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    group = add_server_args(parser)
+    group.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    EngineConfig.add_cli_args(parser)
+    parser.set_defaults(run=run, max_waiting_requests=SERVING_MAX_WAITING_REQUESTS)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The options launch and serve share (all but the ports); returns the "server" group."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (0.0.0.0: every interface; mind who can reach it)")
-    group.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics on this port (0: any free port; default: off)")
     group.add_argument("--served-model-name", default=None,
@@ -26,11 +42,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
                        help="start a new engine (with backoff) when the engine actor dies")
     add_security_args(parser)
-    EngineConfig.add_cli_args(parser)
-    parser.set_defaults(run=run, max_waiting_requests=SERVING_MAX_WAITING_REQUESTS)
+    return group
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_server(args, "launch")
+
+
+def run_server(args: argparse.Namespace, command: str, attach: Attach | None = None,
+               ports: tuple[int | None, ...] = ()) -> int:
+    """Check the settings, then serve until a signal: 0 after a clean stop, 2 for a setting
+    that does not fit, 1 when a port cannot be bound. ports: more ports to check up front."""
     import asyncio
     import logging
 
@@ -42,17 +64,17 @@ def run(args: argparse.Namespace) -> int:
         config.validate()
         args.security = security_from_args(args)
     except (ConfigError, ValueError) as e:  # ValueError: a bad TLS or token setting
-        print(f"raypaged launch: {e}", file=sys.stderr)
+        print(f"raypaged {command}: {e}", file=sys.stderr)
         return 2
     try:
-        for port in (args.port, args.metrics_port):
+        for port in (args.port, args.metrics_port, *ports):
             _check_port_free(args.host, port)  # before minutes of start-up, not after
-        return asyncio.run(serve(config, args))
+        return asyncio.run(serve(config, args, attach))
     except ConfigError as e:  # one the model rules out (e.g. tp not dividing its heads)
-        print(f"raypaged launch: {e}", file=sys.stderr)
+        print(f"raypaged {command}: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. the port is taken
-        print(f"raypaged launch: {e}", file=sys.stderr)
+        print(f"raypaged {command}: {e}", file=sys.stderr)
         return 1
 
 
@@ -67,7 +89,9 @@ def _check_port_free(host: str, port: int | None) -> None:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach | None = None) -> int:
+    """attach: another front door over the same server's GenerationService, started once the
+    gRPC server is (its description ends the ready line) and stopped with it."""
     import asyncio
     import logging
     import os
@@ -105,11 +129,19 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             owns_engine=True,
             engine_factory=(lambda: AsyncEngineClient.start(config)) if args.engine_restart else None)
         await server.start()
+        described, stop_attached = "", None
+        if attach is not None:
+            try:
+                described, stop_attached = await attach(server)
+            except BaseException:
+                await server.shutdown(grace_s=0)
+                engine = None  # the server shut it down
+                raise
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, _on_signal, server, sig, logger)
+            loop.add_signal_handler(sig, _on_signal, server, sig, logger, stop_attached)
         metrics = (f", metrics on http://{args.host}:{server.metrics_port}/metrics"
-                   if server.metrics_port else "")
+                   if server.metrics_port else "") + described
         # One line that scripts wait for: the address is real and the server is SERVING.
         logger.info("raypaged ready: serving %s (%s, %d KV blocks of %d tokens, tp %d)%s on %s%s",
                     server.service.model_name, info["architecture"], info["num_blocks"],
@@ -117,6 +149,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                     " over TLS" if security.tls else "", server.address, metrics)
         engine = None  # the server owns it now
         await server.wait_closed()
+        if stop_attached is not None:
+            await stop_attached()
         logger.info("raypaged stopped")
         return 0
     finally:
@@ -126,13 +160,16 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             ray.shutdown()
 
 
-def _on_signal(server, sig, logger) -> None:
+def _on_signal(server, sig, logger, stop_attached) -> None:
     import asyncio
 
     if server.service.accepting:
         logger.info("%s: shutting down (streams in flight get %.0f s to finish; again to cut that short)",
                     sig.name, server.config.shutdown_grace_s)
-        asyncio.get_running_loop().create_task(server.shutdown())
+        loop = asyncio.get_running_loop()
+        loop.create_task(server.shutdown())
+        if stop_attached is not None:  # it stops taking connections; its streams drain alike
+            loop.create_task(stop_attached())
     else:
         logger.info("%s again: cancelling the streams in flight", sig.name)
         server.service.stop_waiting()

@@ -14,17 +14,14 @@ GenerationService.generate then aborts it in the engine, which frees its KV bloc
 # FastAPI must see the body models as real classes, not strings, to read them from the body.
 import asyncio
 import contextlib
-import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 from ray import serve
-from starlette.exceptions import HTTPException
 
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.malformed import refuse_undecodable
@@ -32,38 +29,14 @@ from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
-from raypaged.serve.chat_template import chat_prompt_token_ids
-from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
+from raypaged.serve.openai_api import OpenAIFrontDoor, install_error_handlers
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
-from raypaged.serve.openai_responses import ResponseBuilder
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="raypaged", description="OpenAI-compatible API of a raypaged replica")
-
-
-@api.exception_handler(OpenAIError)
-async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": …}.
-    return await _openai_error(request, from_validation_errors(list(error.errors())))
-
-
-@api.exception_handler(HTTPException)
-async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-    """Unknown routes (404) and wrong methods (405) in OpenAI's shape too."""
-    return await _openai_error(request, OpenAIError(error.status_code, str(error.detail),
-                                                    headers=dict(error.headers or {}) or None))
-
-
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+install_error_handlers(api)
 
 
 @serve.ingress(api)
@@ -83,6 +56,7 @@ class RaypagedDeployment:
         self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
+        self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers)
         self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
         logger.info("raypaged replica %s ready: %s (%d KV blocks of %d, tp %d)", self.replica_id,
                     self.service.model_name, info["num_blocks"], info["block_size"],
@@ -92,82 +66,22 @@ class RaypagedDeployment:
     def model_name(self) -> str:
         return self.service.model_name
 
-    # ---- OpenAI HTTP ---------------------------------------------------------------------------
+    # ---- OpenAI HTTP: serve/openai_api.py ------------------------------------------------------
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        info = self.engine.model_info
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "raypaged",
-            "root": info["model_dir"], "max_model_len": info["max_model_len"]}]}
+        return await self.openai.models()
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        alive = self.engine.is_alive and self.service.accepting
-        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+        return await self.openai.health()
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
-        return await self._respond(body, chat=False, build=body.to_generate_request)
+        return await self.openai.completions(body)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
-        def build() -> pb.GenerateRequest:
-            max_chars = self.service.model.max_model_len * self.args.limits.max_prompt_chars_per_token
-            ids = chat_prompt_token_ids(self.service.tokenizer, body.message_dicts(), max_chars)
-            return body.to_generate_request(ids)
-
-        return await self._respond(body, chat=True, build=build)
-
-    async def _respond(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
-                       build: Callable[[], pb.GenerateRequest]) -> Any:
-        if body.model is not None and body.model != self.model_name:
-            raise self._refused(model_not_found(body.model, self.model_name))
-        try:
-            message = build()
-        except Exception as e:
-            raise self._refused(e) from None
-        params = message.sampling_params
-        logprobs = bool(body.logprobs) if chat else body.logprobs is not None
-        builder = ResponseBuilder(chat=chat, request_id=message.request_id, model=self.model_name,
-                                  tokenizer=self.service.tokenizer, n=params.n if params.HasField("n") else 1,
-                                  logprobs=logprobs, include_usage=body.include_usage)
-        stream = self.service.generate(message)
-        # Pull the first message before answering: a refused request (validation, full queue,
-        # engine gone) then gets its HTTP status, not a 200 stream that carries an error.
-        try:
-            first = await anext(stream)
-        except Exception as e:
-            await stream.aclose()
-            raise self._refused(e) from None
-        if body.stream:
-            return StreamingResponse(self._event_stream(builder, first, stream),
-                                     media_type="text/event-stream", headers=self._headers)
-        async with contextlib.aclosing(stream):
-            builder.add(first)
-            try:
-                async for message in stream:
-                    builder.add(message)
-            except Exception as e:
-                raise self._refused(e) from None
-        return JSONResponse(builder.response(), headers=self._headers)
-
-    async def _event_stream(self, builder: ResponseBuilder, first: pb.GenerateResponse,
-                            stream: AsyncGenerator[pb.GenerateResponse, None]) -> AsyncIterator[str]:
-        async with contextlib.aclosing(stream):
-            try:
-                for chunk in builder.chunks(first):
-                    yield _sse(chunk)
-                async for message in stream:
-                    for chunk in builder.chunks(message):
-                        yield _sse(chunk)
-            except Exception as e:  # after the 200 is sent: the error travels as an event
-                yield _sse(self._refused(e).body())
-        yield _sse("[DONE]")
-
-    def _refused(self, error: BaseException) -> OpenAIError:
-        refusal = OpenAIError.from_exception(error)
-        self.metrics.record_error(refusal.grpc_code.name)
-        return refusal
+        return await self.openai.chat_completions(body)
 
     # ---- raypaged.v1 through Serve's gRPC proxy ------------------------------------------------
     # A request whose bytes did not parse arrives as an Undecodable (serve/grpc_ingress.py).
@@ -200,7 +114,7 @@ class RaypagedDeployment:
 
     def _grpc_refused(self, grpc_context, error: Exception) -> None:
         """Serve's proxy answers with the code set on the context when the method then raises."""
-        refusal = self._refused(error)
+        refusal = self.openai.refused(error)
         if grpc_context is not None:
             grpc_context.set_code(refusal.grpc_code)
             grpc_context.set_details(refusal.message)

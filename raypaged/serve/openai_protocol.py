@@ -2,10 +2,10 @@
 
 Field names and defaults are OpenAI's, plus vLLM's extensions (top_k, min_p, repetition_penalty,
 min_tokens, stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_salt). Unknown fields
-are ignored as OpenAI's server ignores them, but features raypaged does not implement (echo,
-suffix, logit_bias, best_of > n, tools, structured output) are refused rather than silently
-dropped. Range checks on sampling values stay in one place: frontend/validation.py, reached
-through the GenerateRequest built here.
+are ignored as OpenAI's server ignores them, but features raypaged does not implement (suffix,
+logit_bias, best_of > n, echo with logprobs, tools, structured output) are refused rather than
+silently dropped; `user` is accepted and unused. Range checks on sampling values stay in one
+place: frontend/validation.py, reached through the GenerateRequest built here.
 
 Types are strict, as OpenAI's API is: `"stream": "yes"`, `"max_tokens": "10"` or `"n": true` are
 400s, never coerced (an int is still a float). Every string of the body, any field, is checked
@@ -112,8 +112,9 @@ class CompletionRequest(OpenAIRequest):
     best_of: Int32 | None = None
 
     def to_generate_request(self) -> pb.GenerateRequest:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            # OpenAI's echo then scores the prompt too: prompt logprobs the engine does not compute.
+            raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs)")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):

@@ -4,7 +4,8 @@ One builder per request. Streaming: every message becomes chunks (one per sample
 carries text, logprobs or a finish reason) and the stream's last chunk carries the usage: the
 OpenAI-style `choices: []` usage chunk when the client asked for stream_options.include_usage,
 otherwise the usage rides on the chunk that finishes the last sample. Non-streaming: the deltas
-are accumulated into one response.
+are accumulated into one response. `echo` (completions): the prompt's text, put before each
+choice's text (streaming: in the choice's first chunk).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ResponseBuilder:
     """chat: /v1/chat/completions objects; otherwise /v1/completions ones."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, tokenizer: Any, n: int,
-                 logprobs: bool, include_usage: bool) -> None:
+                 logprobs: bool, include_usage: bool, echo: str | None = None) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
@@ -66,6 +67,8 @@ class ResponseBuilder:
         self.choices = [_Choice() for _ in range(n)]
         self.usage: dict[str, Any] | None = None
         self._role_sent = [False] * n
+        self.echo = echo
+        self._echo_sent = [echo is None] * n
         self._streamed_chars = [0] * n  # completion logprobs' text_offset runs on across chunks
 
     # ---- streaming -----------------------------------------------------------------------------
@@ -87,7 +90,11 @@ class ResponseBuilder:
 
     def _chunk_choice(self, delta: pb.CompletionDelta) -> dict[str, Any] | None:
         finish = FINISH_REASONS.get(delta.finish_reason)
-        if not delta.text and finish is None and not (self.logprobs and delta.logprobs):
+        text = delta.text
+        if not self._echo_sent[delta.index]:
+            text = (self.echo or "") + text
+            self._echo_sent[delta.index] = True
+        if not text and finish is None and not (self.logprobs and delta.logprobs):
             return None  # held-back text (split UTF-8, a possible stop string): nothing to send yet
         logprobs = None
         if self.logprobs:
@@ -105,7 +112,7 @@ class ResponseBuilder:
                 content["content"] = delta.text
             choice["delta"] = content
         else:
-            choice["text"] = delta.text
+            choice["text"] = text
         return choice
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -129,7 +136,7 @@ class ResponseBuilder:
     def response(self) -> dict[str, Any]:
         choices = []
         for index, choice in enumerate(self.choices):
-            text = "".join(choice.text)
+            text = (self.echo or "") + "".join(choice.text)
             logprobs = self._logprobs(choice.logprobs, 0) if self.logprobs else None
             entry: dict[str, Any] = {"index": index, "logprobs": logprobs,
                                      "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}

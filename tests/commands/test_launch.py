@@ -4,13 +4,11 @@ leaving no process of its session behind."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -18,49 +16,17 @@ import pytest
 
 from raypaged.client import Client
 from tests.support.checkpoints import checkpoint_dir
-from tests.support.processes import session_processes
+from tests.support.processes import Launched, session_processes
 
 pytestmark = pytest.mark.integration
 
 READY = re.compile(r"raypaged ready: serving (\S+) .* on (\S+):(\d+), metrics on http://\S+:(\d+)/metrics")
 
 
-class Launched:
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "raypaged.cli", "launch", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.match: re.Match | None = None
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            if self.match is None and (match := READY.search(line)):
-                self.match = match
-                self.ready.set()
-
-    def wait_ready(self, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.5):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("launch never became ready:\n" + "".join(self.lines[-40:]))
-
-    def kill_session(self) -> None:
-        for pid in session_processes(self.process.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def test_launch_serves_and_stops_gracefully_on_sigterm():
     launched = Launched("--model", str(checkpoint_dir("llama")), "--device", "cpu", "--port", "0",
                         "--metrics-port", "0", "--num-gpu-blocks-override", "64",
-                        "--served-model-name", "tiny-llama", "--shutdown-grace", "600")
+                        "--served-model-name", "tiny-llama", "--shutdown-grace", "600", ready=READY)
     try:
         launched.wait_ready()
         name, host, port, metrics_port = launched.match.groups()

@@ -159,7 +159,7 @@ BAD_REQUESTS = [
     ("completions", {"model": "llama", "prompt": [5, 10**6]}, 400, "not a token id"),
     ("completions", {"model": "llama", "prompt": "x", "n": 1000}, 400, "n must be"),
     ("completions", {"model": "llama", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
-    ("completions", {"model": "llama", "prompt": "x", "echo": True}, 400, "echo"),
+    ("completions", {"model": "llama", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("completions", {"model": "llama", "prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("completions", {"model": "llama", "prompt": ["a", "b"]}, 400, "one prompt"),
     ("completions", {"model": "llama", "prompt": "x", "temperature": "hot"}, 400, "temperature"),

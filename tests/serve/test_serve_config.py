@@ -204,7 +204,7 @@ def test_chat_request_maps_max_completion_tokens_and_logprobs():
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo with logprobs"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),

@@ -1,0 +1,151 @@
+"""The OpenAI HTTP API's logic, one object per engine: both front doors answer through it.
+
+`OpenAIFrontDoor` turns an OpenAI body into a raypaged.v1 GenerateRequest, runs it through the
+GenerationService (validation, detokenization, stop strings, metrics: the gRPC code) and answers
+a JSON response or an SSE stream. The Ray Serve deployment (serve/deployment.py) routes to it
+from its ingress methods; `raypaged serve` (serve/standalone_http.py) from a FastAPI app of its
+own. Errors leave as OpenAIError, which `install_error_handlers` answers in OpenAI's shape.
+"""
+
+# No `from __future__ import annotations`: the route methods' body models must be real classes.
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from raypaged.frontend.metrics import FrontendMetrics
+from raypaged.frontend.service import GenerationService
+from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.chat_template import chat_prompt_token_ids
+from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
+from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+from raypaged.serve.openai_responses import ResponseBuilder
+
+# The routes, by the OpenAIFrontDoor method that answers each: what every front door serves.
+ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("GET", "/v1/models", "models"),
+    ("GET", "/health", "health"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAIError, FastAPI's body validation errors (422 → 400) and unknown routes / methods
+    (404 / 405) all answered as `{"error": {...}}`."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return await _openai_error(request, from_validation_errors(list(error.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return await _openai_error(request, OpenAIError(error.status_code, str(error.detail),
+                                                        headers=dict(error.headers or {}) or None))
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class OpenAIFrontDoor:
+    """/v1/models, /health, /v1/completions and /v1/chat/completions over one service.
+
+    headers: added to every answer (Serve names the replica that answered). The engine is read
+    from the service each time, so an engine the supervisor swapped in is the one described."""
+
+    def __init__(self, service: GenerationService, metrics: FrontendMetrics,
+                 headers: dict[str, str] | None = None) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.headers = headers or {}
+
+    @property
+    def model_name(self) -> str:
+        return self.service.model_name
+
+    async def models(self) -> dict[str, Any]:
+        info = self.service.engine.model_info
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "raypaged",
+            "root": info["model_dir"], "max_model_len": info["max_model_len"]}]}
+
+    async def health(self) -> JSONResponse:
+        alive = self.service.engine.is_alive and self.service.accepting
+        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        return await self._respond(body, chat=False, build=body.to_generate_request)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        def build() -> pb.GenerateRequest:
+            max_chars = self.service.model.max_model_len * self.service.limits.max_prompt_chars_per_token
+            ids = chat_prompt_token_ids(self.service.tokenizer, body.message_dicts(), max_chars)
+            return body.to_generate_request(ids)
+
+        return await self._respond(body, chat=True, build=build)
+
+    async def _respond(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
+                       build: Callable[[], pb.GenerateRequest]) -> Any:
+        if body.model is not None and body.model != self.model_name:
+            raise self.refused(model_not_found(body.model, self.model_name))
+        try:
+            message = build()
+        except Exception as e:
+            raise self.refused(e) from None
+        params = message.sampling_params
+        logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        echo = None
+        if isinstance(body, CompletionRequest) and body.echo:
+            echo = message.prompt or self.service.tokenizer.decode(list(message.prompt_token_ids))
+        builder = ResponseBuilder(chat=chat, request_id=message.request_id, model=self.model_name,
+                                  tokenizer=self.service.tokenizer, n=params.n if params.HasField("n") else 1,
+                                  logprobs=logprobs, include_usage=body.include_usage, echo=echo)
+        stream = self.service.generate(message)
+        # Pull the first message before answering: a refused request (validation, full queue,
+        # engine gone) then gets its HTTP status, not a 200 stream that carries an error.
+        try:
+            first = await anext(stream)
+        except Exception as e:
+            await stream.aclose()
+            raise self.refused(e) from None
+        if body.stream:
+            return StreamingResponse(self._event_stream(builder, first, stream),
+                                     media_type="text/event-stream", headers=self.headers)
+        async with contextlib.aclosing(stream):
+            builder.add(first)
+            try:
+                async for message in stream:
+                    builder.add(message)
+            except Exception as e:
+                raise self.refused(e) from None
+        return JSONResponse(builder.response(), headers=self.headers)
+
+    async def _event_stream(self, builder: ResponseBuilder, first: pb.GenerateResponse,
+                            stream: AsyncGenerator[pb.GenerateResponse, None]) -> AsyncIterator[str]:
+        async with contextlib.aclosing(stream):
+            try:
+                for chunk in builder.chunks(first):
+                    yield sse(chunk)
+                async for message in stream:
+                    for chunk in builder.chunks(message):
+                        yield sse(chunk)
+            except Exception as e:  # after the 200 is sent: the error travels as an event
+                yield sse(self.refused(e).body())
+        yield sse("[DONE]")
+
+    def refused(self, error: BaseException) -> OpenAIError:
+        """The error as OpenAI answers it, counted in the metrics by its gRPC code."""
+        refusal = OpenAIError.from_exception(error)
+        self.metrics.record_error(refusal.grpc_code.name)
+        return refusal
