@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.structured_output import StructuredOutput
 from raypaged.proto.v1 import SERVICE_NAME, raypaged_pb2, raypaged_pb2_grpc
 
 pb = raypaged_pb2
@@ -33,7 +34,8 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 _OPTIONAL_FIELDS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
                     "skip_special_tokens")
-_SAMPLING_FIELDS = frozenset(_OPTIONAL_FIELDS + ("stop", "stop_token_ids", "ignore_eos"))
+_SAMPLING_FIELDS = frozenset(_OPTIONAL_FIELDS + ("stop", "stop_token_ids", "ignore_eos",
+                                                  "structured_output"))
 
 
 class RequestError(Exception):
@@ -111,7 +113,23 @@ def build_request(prompt: str | Sequence[int], params: SamplingParams | None = N
     target.stop.extend([stop] if isinstance(stop, str) else stop)
     target.stop_token_ids.extend(sampling.get("stop_token_ids") or ())
     target.ignore_eos = bool(sampling.get("ignore_eos", False))
+    structured = sampling.get("structured_output")
+    if structured is not None:
+        target.structured_output.CopyFrom(structured_output_to_proto(structured))
     return message
+
+
+def structured_output_to_proto(spec: StructuredOutput | dict) -> raypaged_pb2.StructuredOutput:
+    """A StructuredOutput (or vLLM's structured_outputs dict) as its raypaged.v1 message."""
+    if isinstance(spec, dict):
+        spec = StructuredOutput.from_dict(spec)
+    kind = spec.kind
+    if kind == "json":
+        return raypaged_pb2.StructuredOutput(json_schema=spec.json)
+    if kind == "choice":
+        return raypaged_pb2.StructuredOutput(choice=raypaged_pb2.StructuredOutput.Choices(
+            choice=list(spec.choice or ())))
+    return raypaged_pb2.StructuredOutput(**{kind: getattr(spec, kind)})
 
 
 def chunk_from_proto(message: pb.GenerateResponse) -> StreamChunk:

@@ -16,6 +16,7 @@ from raypaged.core.errors import InvalidRequestError
 from raypaged.core.request import Request
 from raypaged.core.sample_ids import SEPARATOR
 from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.structured_output import StructuredOutput
 from raypaged.proto.v1 import raypaged_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
@@ -103,8 +104,26 @@ def sampling_params_from_proto(message: pb.SamplingParams, num_prompt_tokens: in
     _check_token_ids("stop_token_ids", stop_ids, model.vocab_size)
     # SamplingParams checks the rest (ranges, min_tokens <= max_tokens, logprobs <= 20) with
     # messages of its own.
+    if message.HasField("structured_output"):
+        values["structured_output"] = structured_output_from_proto(message.structured_output)
     return SamplingParams(**values, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                           ignore_eos=message.ignore_eos)
+
+
+def structured_output_from_proto(message: pb.StructuredOutput) -> StructuredOutput:
+    """The spec, checked as far as it can be without the grammar engine (StructuredOutput's own
+    checks); whether xgrammar accepts it is checked when the engine takes the request."""
+    kind = message.WhichOneof("kind")
+    _check(kind is not None, "structured_output must set one of json_schema, json_object, regex, "
+                             "choice, grammar")
+    if kind == "json_schema":
+        return StructuredOutput(json=message.json_schema)
+    if kind == "json_object":
+        _check(message.json_object, "structured_output json_object must be true when set")
+        return StructuredOutput(json_object=True)
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(message.choice.choice))
+    return StructuredOutput(**{kind: getattr(message, kind)})
 
 
 def _request_id(request_id: str, limits: RequestLimits) -> str:

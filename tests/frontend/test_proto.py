@@ -14,6 +14,7 @@ from raypaged.core.errors import InvalidRequestError, RequestFailedError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.structured_output import StructuredOutput
 from raypaged.frontend.validation import ModelLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.text.output_processor import RequestOutputProcessor
@@ -46,7 +47,10 @@ def test_stubs_match_the_proto_source(tmp_path):
     assert protoc.main(["protoc", f"-Iraypaged/proto={ROOT / 'protos/raypaged'}",
                         f"--descriptor_set_out={out}", str(ROOT / "protos/raypaged/v1/raypaged.proto")]) == 0
     fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
-    for message in fresh.message_type:  # protoc fills json_name; the embedded descriptor omits it
+    messages = list(fresh.message_type)
+    while messages:  # protoc fills json_name; the embedded descriptor omits it (nested ones too)
+        message = messages.pop()
+        messages.extend(message.nested_type)
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto()
@@ -134,3 +138,44 @@ def test_client_is_light():
             "bad = [m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    (pb.StructuredOutput(json_schema='{"type": "object"}'), StructuredOutput(json='{"type": "object"}')),
+    (pb.StructuredOutput(json_object=True), StructuredOutput(json_object=True)),
+    (pb.StructuredOutput(regex="[0-9]+"), StructuredOutput(regex="[0-9]+")),
+    (pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choice=["yes", "no"])),
+     StructuredOutput(choice=("yes", "no"))),
+    (pb.StructuredOutput(grammar='root ::= "x"'), StructuredOutput(grammar='root ::= "x"')),
+])
+def test_structured_output_maps_to_sampling_params(spec, expected):
+    message = pb.GenerateRequest(prompt_token_ids=[1, 2], sampling_params=pb.SamplingParams(
+        structured_output=spec))
+    assert prepare_request(message, None, MODEL).request.sampling_params.structured_output == expected
+    unset = pb.GenerateRequest(prompt_token_ids=[1, 2])
+    assert prepare_request(unset, None, MODEL).request.sampling_params.structured_output is None
+
+
+@pytest.mark.parametrize("spec, says", [
+    (pb.StructuredOutput(), "must set one of"),
+    (pb.StructuredOutput(json_object=False), "json_object must be true"),
+    (pb.StructuredOutput(json_schema="{nope"), "json schema is not valid JSON"),
+    (pb.StructuredOutput(json_schema="[1]"), "must be a JSON object"),
+    (pb.StructuredOutput(regex=""), "regex must be a non-empty string"),
+    (pb.StructuredOutput(choice=pb.StructuredOutput.Choices()), "choice must be non-empty strings"),
+])
+def test_invalid_structured_output_is_refused(spec, says):
+    message = pb.GenerateRequest(prompt_token_ids=[1, 2], sampling_params=pb.SamplingParams(
+        structured_output=spec))
+    with pytest.raises(InvalidRequestError, match=says):
+        prepare_request(message, None, MODEL)
+
+
+def test_client_sends_structured_output():
+    spec = StructuredOutput(choice=("a", "b"))
+    for message in (build_request("hi", structured_output=spec),
+                    build_request("hi", structured_output={"choice": ["a", "b"]}),
+                    build_request("hi", SamplingParams(structured_output=spec))):
+        params = prepare_request(message, type("T", (), {"encode": lambda s, t: [1]})(), MODEL)
+        assert params.request.sampling_params.structured_output == spec
+    assert not build_request("hi").sampling_params.HasField("structured_output")
