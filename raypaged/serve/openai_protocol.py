@@ -1,10 +1,12 @@
 """OpenAI request bodies (/v1/completions, /v1/chat/completions) and their raypaged.v1 message.
 
 Field names and defaults are OpenAI's, plus vLLM's extensions (top_k, min_p, repetition_penalty,
-min_tokens, stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_salt). Unknown fields
-are ignored as OpenAI's server ignores them, but features raypaged does not implement (suffix,
-logit_bias, best_of > n, echo with logprobs, tools, structured output) are refused rather than
-silently dropped; `user` is accepted and unused. Range checks on sampling values stay in one
+min_tokens, stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_salt,
+structured_outputs). Structured output is OpenAI's `response_format` (json_object, json_schema) or
+vLLM's `structured_outputs` (json, json_object, regex, choice, grammar): both become the message's
+SamplingParams.structured_output. Unknown fields are ignored as OpenAI's server ignores them, but
+features raypaged does not implement (suffix, logit_bias, best_of > n, echo with logprobs, tools)
+are refused rather than silently dropped; `user` is accepted and unused. Range checks on sampling values stay in one
 place: frontend/validation.py, reached through the GenerateRequest built here.
 
 Types are strict, as OpenAI's API is: `"stream": "yes"`, `"max_tokens": "10"` or `"n": true` are
@@ -14,12 +16,14 @@ to be real text first (serve/client_text.py).
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raypaged.core.errors import InvalidRequestError
+from raypaged.frontend.validation import structured_output_from_proto
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.client_text import check_client_text
 
@@ -74,6 +78,9 @@ class OpenAIRequest(BaseModel):
     priority: Int32 = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -98,9 +105,79 @@ class OpenAIRequest(BaseModel):
         params.stop.extend(stop)
         params.stop_token_ids.extend(self.stop_token_ids or [])
         params.ignore_eos = self.ignore_eos
+        structured = self._structured_output()
+        if structured is not None:
+            params.structured_output.CopyFrom(structured)
         return pb.GenerateRequest(request_id=self.request_id or uuid.uuid4().hex,
                                   sampling_params=params, priority=self.priority,
                                   cache_salt=self.cache_salt or "")
+
+
+    def _structured_output(self) -> pb.StructuredOutput | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") == "text":
+            fmt = None
+        if fmt is not None and self.structured_outputs is not None:
+            raise InvalidRequestError("give response_format or structured_outputs, not both")
+        if fmt is not None:
+            message = _from_response_format(fmt)
+        elif self.structured_outputs is not None:
+            message = _from_structured_outputs(self.structured_outputs)
+        else:
+            return None
+        # What can be checked without the grammar engine is checked here, as the gRPC door
+        # checks it; whether xgrammar accepts the spec, the engine checks when it takes it.
+        structured_output_from_proto(message)
+        return message
+
+
+def _from_response_format(fmt: dict[str, Any]) -> pb.StructuredOutput:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("response_format json_schema needs a json_schema object "
+                                      "with name and schema")
+        schema = spec.get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("response_format json_schema.schema must be a JSON schema object")
+        return pb.StructuredOutput(json_schema=json.dumps(schema, sort_keys=True))
+    raise InvalidRequestError(f"response_format type {kind!r} is not supported: text, json_object "
+                              "or json_schema")
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _from_structured_outputs(spec: dict[str, Any]) -> pb.StructuredOutput:
+    unknown = sorted(set(spec) - set(_STRUCTURED_KINDS))
+    if unknown:
+        raise InvalidRequestError(f"unknown structured_outputs field(s) {unknown}: one of "
+                                  f"{', '.join(_STRUCTURED_KINDS)}")
+    given = [k for k in _STRUCTURED_KINDS if spec.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequestError(f"structured_outputs must set exactly one of "
+                                  f"{', '.join(_STRUCTURED_KINDS)}; got {given or 'none'}")
+    kind, value = given[0], spec[given[0]]
+    if kind == "json":
+        if isinstance(value, str):
+            return pb.StructuredOutput(json_schema=value)
+        if not isinstance(value, (dict, bool)):
+            raise InvalidRequestError("structured_outputs json must be a JSON schema (object or text)")
+        return pb.StructuredOutput(json_schema=json.dumps(value, sort_keys=True))
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequestError("structured_outputs json_object must be true")
+        return pb.StructuredOutput(json_object=True)
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError("structured_outputs choice must be a list of strings")
+        return pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choice=value))
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"structured_outputs {kind} must be a string")
+    return pb.StructuredOutput(regex=value) if kind == "regex" else pb.StructuredOutput(grammar=value)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -166,15 +243,12 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_generate_request(self, prompt_token_ids: list[int]) -> pb.GenerateRequest:
         if self.tools or self.functions:
             raise InvalidRequestError("tools and function calling are not supported")
         if self.tool_choice not in (None, "none"):
             raise InvalidRequestError("tool_choice is not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

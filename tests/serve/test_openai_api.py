@@ -4,6 +4,7 @@ openai package's own types. The live server is tests/commands/test_serve.py."""
 
 from __future__ import annotations
 
+import json
 import ssl
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -197,3 +198,72 @@ def test_serve_command_line(capsys):
     assert (defaults.model_path, defaults.http_port, defaults.port) == (None, 8000, 50051)
     assert main(["serve", "/models/a", "--model", "/models/b"]) == 2
     assert "MODEL and --model" in capsys.readouterr().err
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("path, extra, expected", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, pb.StructuredOutput(json_object=True)),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": _SCHEMA, "strict": True}}},
+     pb.StructuredOutput(json_schema=json.dumps(_SCHEMA, sort_keys=True))),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, pb.StructuredOutput(json_object=True)),
+    ("/v1/completions", {"structured_outputs": {"regex": "[a-z]+"}}, pb.StructuredOutput(regex="[a-z]+")),
+    ("/v1/chat/completions", {"structured_outputs": {"choice": ["yes", "no"]}},
+     pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choice=["yes", "no"]))),
+    ("/v1/completions", {"structured_outputs": {"json": _SCHEMA}},
+     pb.StructuredOutput(json_schema=json.dumps(_SCHEMA, sort_keys=True))),
+    ("/v1/completions", {"structured_outputs": {"grammar": 'root ::= "x"'}},
+     pb.StructuredOutput(grammar='root ::= "x"')),
+])
+def test_structured_output_reaches_the_sampling_params(service, path, extra, expected):
+    body = {**(_CHAT if "chat" in path else {"prompt": "hi"}), **extra}
+    response = _client(service).post(path, json=body)
+    assert response.status_code == 200, response.text
+    params = service.requests[-1].sampling_params
+    assert params.HasField("structured_output") and params.structured_output == expected
+
+
+def test_text_response_format_is_no_structured_output(service):
+    response = _client(service).post("/v1/chat/completions",
+                                     json={**_CHAT, "response_format": {"type": "text"}})
+    assert response.status_code == 200
+    assert not service.requests[-1].sampling_params.HasField("structured_output")
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{"}}},
+     "json_schema.schema must be a JSON schema object"),
+    ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
+    ({"response_format": {"type": "yaml"}}, "response_format type 'yaml' is not supported"),
+    ({"structured_outputs": {"json": "{not json"}}, "json schema is not valid JSON"),
+    ({"structured_outputs": {"choice": []}}, "choice must be non-empty strings"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "choice must be non-empty strings"),
+    ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "exactly one of"),
+    ({"structured_outputs": {"whitespace": "x"}}, "unknown structured_outputs field"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
+])
+def test_invalid_structured_output_is_a_400_naming_the_problem(service, extra, says):
+    response = _client(service).post("/v1/chat/completions", json={**_CHAT, **extra})
+    assert response.status_code == 400
+    error = ErrorObject.model_validate(response.json()["error"])
+    assert error.type == "invalid_request_error" and says in error.message
+    assert not service.requests  # refused before submitting
+
+
+def test_engine_refusal_of_a_spec_is_a_400(service):
+    """A spec the grammar engine rejects (EngineCore.add_request's InvalidRequestError, raised
+    from the service's generate) is answered 400 with its message, not a 500."""
+    from raypaged.core.errors import InvalidRequestError
+
+    async def refuse(message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        raise InvalidRequestError("structured output regex is invalid: unbalanced parenthesis")
+        yield  # pragma: no cover
+
+    service.generate = refuse
+    response = _client(service).post("/v1/completions",
+                                     json={"prompt": "hi", "structured_outputs": {"regex": "("}})
+    assert response.status_code == 400
+    assert "unbalanced parenthesis" in response.json()["error"]["message"]
