@@ -218,7 +218,8 @@ def test_unsupported_completion_features_are_refused(body, message):
 @pytest.mark.parametrize("extra, message", [
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format type .xml. is not supported"),
+    ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
 ])
 def test_unsupported_chat_features_are_refused(extra, message):
