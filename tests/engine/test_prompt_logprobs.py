@@ -5,30 +5,18 @@ scheduling off and on, n = 2 and preemption."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 from raypaged import LLM, SamplingParams
 from tests.support.checkpoints import checkpoint_dir
-from tests.support.hf_oracle import _hf_model, assert_matches_hf, random_prompts, vocab_of
+from tests.support.hf_oracle import assert_matches_hf, hf_prompt_logprobs, random_prompts, vocab_of
 
 NAME = "llama"
 TOLERANCE = 1e-4
 
 
-@functools.cache
-def hf_prompt_logprobs(prompt: tuple[int, ...]) -> torch.Tensor:
-    """[P - 1, V]: row i is log_softmax of the logits that predict prompt token i + 1."""
-    model = _hf_model(str(checkpoint_dir(NAME)))
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)[:-1]
-
-
 def assert_prompt_logprobs(prompt: list[int], got, k: int) -> None:
-    expected = hf_prompt_logprobs(tuple(prompt))
+    expected = hf_prompt_logprobs(NAME, tuple(prompt))
     assert got is not None and len(got) == len(prompt) and got[0] is None
     for i, entry in enumerate(got[1:]):
         token = prompt[i + 1]

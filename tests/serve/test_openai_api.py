@@ -146,7 +146,7 @@ def test_chat_response_validates(service):
 
 @pytest.mark.parametrize("path, body, status, kind", [
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "invalid_request_error"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "invalid_request_error"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, 400, "invalid_request_error"),
     ("/v1/nothing-here", {}, 404, "invalid_request_error"),
 ])
