@@ -223,3 +223,31 @@ def test_every_error_is_in_openais_shape(served, path, body, status, says):
     error = json.loads(refused.value.read())["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert says in ErrorObject.model_validate(error).message
+
+
+def test_grpc_carries_logit_bias_and_prompt_logprobs(served):
+    """The same engine over raypaged.v1 (the ServerThread's gRPC front door)."""
+    import grpc
+
+    from raypaged.client import Client, RequestError
+
+    running = served[0]
+    prompt = random_prompts([19], vocab_of(NAME), seed=55)[0]
+    plain = hf_greedy(checkpoint_dir(NAME), tuple(prompt), 3)
+    with Client(running.address) as client:
+        result = client.generate(prompt, max_tokens=3, temperature=0.0, prompt_logprobs=1,
+                                 logit_bias={plain[0]: -100.0})
+        out = result.outputs[0]
+        assert out.token_ids[0] != plain[0]
+        scored = out.prompt_logprobs
+        assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+        expected = hf_prompt_logprobs(NAME, tuple(prompt))
+        for i, entry in enumerate(scored[1:]):
+            assert entry is not None
+            assert abs(entry[prompt[i + 1]] - expected[i, prompt[i + 1]].item()) < TOLERANCE
+            assert int(expected[i].argmax()) in entry
+        for sampling, says in (({"logit_bias": {vocab_of(NAME): 1.0}}, "logit_bias"),
+                               ({"prompt_logprobs": 21}, "prompt_logprobs")):
+            with pytest.raises(RequestError) as refused:
+                client.generate(prompt, max_tokens=2, **sampling)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.message
