@@ -36,8 +36,9 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """OpenAIError, FastAPI's body validation errors (422 → 400) and unknown routes / methods
-    (404 / 405) all answered as `{"error": {...}}`."""
+    """OpenAIError, FastAPI's body validation errors (422 → 400), unknown routes / methods
+    (404 / 405) and anything unexpected (500, the exception still logged by the server) all
+    answered as `{"error": {...}}`."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -51,6 +52,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
         return await _openai_error(request, OpenAIError(error.status_code, str(error.detail),
                                                         headers=dict(error.headers or {}) or None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        return await _openai_error(request, OpenAIError.from_exception(error))
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -27,7 +27,9 @@ def assert_prompt_logprobs(prompt: list[int], got, k: int) -> None:
             assert abs(value - expected[i, t].item()) < TOLERANCE
 
 
-@pytest.fixture(scope="module", params=[(False, False), (True, False), (False, True), (True, True)],
+# The default suite runs the two far corners; the other two are in the slow suite.
+@pytest.fixture(scope="module", params=[(False, False), pytest.param((True, False), marks=pytest.mark.slow),
+                                        pytest.param((False, True), marks=pytest.mark.slow), (True, True)],
                 ids=["sync", "async", "sync-prefix-cache", "async-prefix-cache"])
 def llm(request):
     async_scheduling, prefix_caching = request.param
