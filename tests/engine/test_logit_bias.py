@@ -94,3 +94,35 @@ def test_a_grammar_wins_over_the_bias_and_bad_ids_are_refused(async_scheduling):
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_logit_bias_and_prompt_logprobs_on_cuda_with_graphs():
+    """On the GPU the sampler (and its bias) and the prompt scoring run after the captured
+    graphs: decode steps replay CUDA graphs, mixed steps piecewise ones, and the results are
+    still transformers' (fp32)."""
+    from tests.support.hf_oracle import hf_prompt_logprobs
+
+    prompts = random_prompts([20, 7, 33], vocab_of(NAME), seed=43)
+    biases = biases_for(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=biases[0]),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=biases[2])]
+    llm = LLM(str(checkpoint_dir(NAME)), device="cuda", dtype="float32", block_size=16, max_num_seqs=8,
+              max_num_batched_tokens=16, enable_chunked_prefill=True)
+    try:
+        assert llm.engine.executor.worker.runner.decode_graphs is not None
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
+    for i in (0, 2):
+        expected = hf_biased_greedy(tuple(prompts[i]), params[i].logit_bias_pairs, MAX_TOKENS)
+        assert all(s.token_ids == expected for s in results[i].outputs)
+    assert results[1].outputs[0].token_ids == hf_greedy(checkpoint_dir(NAME), tuple(prompts[1]), MAX_TOKENS)
+    expected_lp = hf_prompt_logprobs(NAME, tuple(prompts[1]))
+    scored = results[1].prompt_logprobs
+    assert scored is not None and len(scored) == len(prompts[1])
+    for i, entry in enumerate(scored[1:]):
+        assert entry is not None
+        token = prompts[1][i + 1]
+        assert abs(entry[token] - expected_lp[i, token].item()) < 1e-3  # TF32 matmuls on the GPU
