@@ -127,7 +127,7 @@ class OpenAIFrontDoor:
             logprobs=logprobs, include_usage=body.include_usage, echo=echo,
             num_logprobs=completion.logprobs if completion is not None else None,
             echo_logprobs=completion is not None and completion.echo_logprobs,
-            prompt_logprobs=completion.prompt_logprobs if completion is not None else None)
+            prompt_logprobs=body.prompt_logprobs)
         stream = self.service.generate(message)
         # Pull the first message before answering: a refused request (validation, full queue,
         # engine gone) then gets its HTTP status, not a 200 stream that carries an error.

@@ -5,8 +5,8 @@ min_tokens, stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_sal
 structured_outputs). Structured output is OpenAI's `response_format` (json_object, json_schema) or
 vLLM's `structured_outputs` (json, json_object, regex, choice, grammar): both become the message's
 SamplingParams.structured_output. `logit_bias` maps token ids (as strings, OpenAI's shape) to
-biases in [-100, 100]; completions take vLLM's `prompt_logprobs` and `echo` with `logprobs` (the
-prompt scored too). Unknown fields are ignored as OpenAI's server ignores them, but features
+biases in [-100, 100]; both take vLLM's `prompt_logprobs`, and completions `echo` with `logprobs`
+(the prompt scored too). Unknown fields are ignored as OpenAI's server ignores them, but features
 raypaged does not implement (suffix, best_of > n, tools) are refused rather than silently
 dropped; `user` is accepted and unused. Range checks on sampling values stay in one
 place: frontend/validation.py, reached through the GenerateRequest built here.
@@ -80,6 +80,7 @@ class OpenAIRequest(BaseModel):
     priority: Int32 = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    prompt_logprobs: Int32 | None = None  # vLLM's: score the prompt, with this many top tokens
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -104,6 +105,8 @@ class OpenAIRequest(BaseModel):
         params.ignore_eos = self.ignore_eos
         for key, bias in (self.logit_bias or {}).items():
             params.logit_bias[_token_id_key(key)] = bias
+        if self.prompt_logprobs is not None:
+            params.prompt_logprobs = self.prompt_logprobs
         structured = self._structured_output()
         if structured is not None:
             params.structured_output.CopyFrom(structured)
@@ -197,7 +200,6 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: Int32 | None = None
-    prompt_logprobs: Int32 | None = None  # vLLM's: score the prompt, with this many top tokens
 
     @property
     def echo_logprobs(self) -> bool:

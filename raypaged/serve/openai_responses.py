@@ -7,8 +7,9 @@ otherwise the usage rides on the chunk that finishes the last sample. Non-stream
 are accumulated into one response. `echo` (completions): the prompt's text, put before each
 choice's text (streaming: in the choice's first chunk); with logprobs, the prompt's tokens lead
 the choice's logprobs (the first one unscored: null), as OpenAI answers. vLLM's prompt_logprobs:
-each choice's `prompt_logprobs`, [null, {token id: {logprob, rank, decoded_token}}, …], also in
-its first chunk. The prompt's scores ride on each sample's first delta (raypaged.v1).
+[null, {token id: {logprob, rank, decoded_token}}, …], on each completion choice (and its first
+chunk), or on the chat response (and its first chunk), where vLLM puts them. The prompt's
+scores ride on each sample's first delta (raypaged.v1).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class ResponseBuilder:
         self.echo_logprobs = echo_logprobs
         self.prompt_logprobs = prompt_logprobs
         self.prompt_entries: list[pb.TokenLogprobs] = []  # the prompt's scores, once they arrive
+        self._prompt_sent = False  # chat streams: the prompt's scores went out on a chunk
 
     # ---- streaming -----------------------------------------------------------------------------
     def chunks(self, message: pb.GenerateResponse) -> list[dict[str, Any]]:
@@ -89,6 +91,10 @@ class ResponseBuilder:
             choice = self._chunk_choice(delta)
             if choice is not None:
                 chunks.append(self._envelope([choice]))
+                if self.chat and self.prompt_logprobs is not None and delta.prompt_logprobs \
+                        and not self._prompt_sent:  # chat: the response's, on its first chunk
+                    chunks[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(list(delta.prompt_logprobs))
+                    self._prompt_sent = True
         if message.HasField("usage"):
             self.usage = usage_dict(message.usage)
             if self.include_usage:
@@ -114,7 +120,7 @@ class ResponseBuilder:
             logprobs = self._logprobs(entries, self._streamed_chars[delta.index])
         self._streamed_chars[delta.index] += len(text)  # the echoed prompt included
         choice: dict[str, Any] = {"index": delta.index, "logprobs": logprobs, "finish_reason": finish}
-        if self.prompt_logprobs is not None and prompt:
+        if self.prompt_logprobs is not None and prompt and not self.chat:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
         if finish is not None:
             choice["stop_reason"] = _stop_reason(delta)
@@ -160,15 +166,19 @@ class ResponseBuilder:
                 logprobs = self._logprobs(entries, 0)
             entry: dict[str, Any] = {"index": index, "logprobs": logprobs,
                                      "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
-            if self.prompt_logprobs is not None:
+            if self.prompt_logprobs is not None and not self.chat:
                 entry["prompt_logprobs"] = self._vllm_prompt_logprobs(self.prompt_entries)
             if self.chat:
                 entry["message"] = {"role": "assistant", "content": text}
             else:
                 entry["text"] = text
             choices.append(entry)
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage}
+        response: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                                    "created": self.created, "model": self.model, "choices": choices,
+                                    "usage": self.usage}
+        if self.chat and self.prompt_logprobs is not None:  # vLLM's place for chat: the response's
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(self.prompt_entries)
+        return response
 
     # ---- logprobs ------------------------------------------------------------------------------
     def _token(self, token_id: int) -> str:

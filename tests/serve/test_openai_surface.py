@@ -251,3 +251,19 @@ def test_grpc_carries_logit_bias_and_prompt_logprobs(served):
             with pytest.raises(RequestError) as refused:
                 client.generate(prompt, max_tokens=2, **sampling)
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.message
+
+
+def test_chat_prompt_logprobs_on_the_response_and_its_first_chunk(api):
+    messages = [{"role": "user", "content": "Score me"}]
+    whole = valid(api.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=2,
+                                              temperature=0.0, extra_body={"prompt_logprobs": 1}))
+    scored = (whole.model_extra or {})["prompt_logprobs"]
+    assert whole.usage is not None and len(scored) == whole.usage.prompt_tokens and scored[0] is None
+    assert all(any(v["rank"] == 1 for v in entry.values()) for entry in scored[1:])
+    chunks = [valid(c) for c in api.chat.completions.create(
+        model=NAMES[0], messages=messages, max_tokens=2, temperature=0.0, stream=True,
+        extra_body={"prompt_logprobs": 1})]
+    carrying = [c for c in chunks if (c.model_extra or {}).get("prompt_logprobs")]
+    assert len(carrying) == 1 and carrying[0] is chunks[0]
+    streamed = (carrying[0].model_extra or {})["prompt_logprobs"]
+    assert [sorted(e) if e else e for e in streamed] == [sorted(e) if e else e for e in scored]
