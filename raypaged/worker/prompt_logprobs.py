@@ -8,7 +8,7 @@ preemption with outputs already sent them.
 
 Every rank computes the logits (under tensor parallelism compute_logits gathers the vocabulary
 shards: a collective all ranks join); rank 0 takes them to the host. The logits are those of the
-raw model output, [chunk tokens, V] in float32 for the step: a request with prompt logprobs
+raw model output, in float32, SCORE_ROWS positions at a time: a request with prompt logprobs
 costs a full-vocabulary LM head over its prompt, as in vLLM.
 """
 
@@ -23,6 +23,9 @@ from raypaged.core.outputs import Logprobs
 
 if TYPE_CHECKING:
     from raypaged.worker.model_runner import CachedRequestState
+
+
+SCORE_ROWS = 1024  # prompt positions scored at once: 1024 x 128k float32 logits is 0.5 GiB
 
 
 class _ComputesLogits(Protocol):
@@ -54,19 +57,29 @@ def score_prompts(model: _ComputesLogits, hidden: torch.Tensor, states: Sequence
         cursor += n
     if not spans:
         return {}
+    k = max(int(state.sampling_params.prompt_logprobs or 0) for state, _, _ in spans)
+    target_lp: list[float] = []
+    top_lp: list[list[float]] = []
+    top_ids: list[list[int]] = []
     device = hidden.device
-    logits = model.compute_logits(hidden[torch.tensor(rows, device=device)])
+    # Slices of rows bound the [rows, V] float32 temporaries whatever the chunk size.
+    for begin in range(0, len(rows), SCORE_ROWS):
+        index = torch.tensor(rows[begin : begin + SCORE_ROWS], device=device)
+        logits = model.compute_logits(hidden[index])
+        if not is_driver:
+            continue
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        target_t = torch.tensor(targets[begin : begin + SCORE_ROWS], dtype=torch.int64, device=device)
+        target_lp.extend(logprobs.gather(1, target_t.unsqueeze(1)).squeeze(1).tolist())
+        if k:
+            values, ids = torch.topk(logprobs, k, dim=-1)
+            top_lp.extend(values.tolist())
+            top_ids.extend(ids.tolist())
+        else:
+            top_lp.extend([] for _ in range(len(index)))
+            top_ids.extend([] for _ in range(len(index)))
     if not is_driver:
         return {}
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    target_t = torch.tensor(targets, dtype=torch.int64, device=device).unsqueeze(1)
-    target_lp = logprobs.gather(1, target_t).squeeze(1).tolist()
-    k = max(int(state.sampling_params.prompt_logprobs or 0) for state, _, _ in spans)
-    top_lp: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
-    if k:
-        values, ids = torch.topk(logprobs, k, dim=-1)
-        top_lp, top_ids = values.tolist(), ids.tolist()
     answer: dict[str, tuple[int, list[Logprobs]]] = {}
     at = 0
     for state, first, count in spans:

@@ -67,7 +67,10 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_stay_exact(llm):
     assert_prompt_logprobs(second, scored.prompt_logprobs, 2)
 
 
-def test_prompt_logprobs_with_n_and_preemption():
+def test_prompt_logprobs_with_n_and_preemption(monkeypatch):
+    from raypaged.worker import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "SCORE_ROWS", 5)  # a chunk's positions scored in slices
     prompts = random_prompts([20, 25, 30, 12], vocab_of(NAME), seed=34)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
     engine = LLM(str(checkpoint_dir(NAME)), block_size=8, num_gpu_blocks_override=14,
