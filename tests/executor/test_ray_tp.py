@@ -69,6 +69,28 @@ def test_prefix_caching_chunked_prefill_and_preemption_under_tp2(async_schedulin
     assert_matches_hf("llama", prompts, results, max_tokens=20)
 
 
+def test_structured_outputs_under_tp2_with_async_scheduling_on_a_small_pool():
+    """Constrained requests under TP 2, async: rank 0 masks its logits with the deferred masks
+    and broadcasts the tokens; outputs equal a sync TP 1 run's, plain neighbours transformers'."""
+    from raypaged.core.structured_output import StructuredOutput
+
+    vocab = vocab_of("llama")
+    prefix = random_prompts([24], vocab, seed=14)[0]
+    prompts = random_prompts([9, 20, 14, 3], vocab, seed=15, prefix=prefix)
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    regex = SamplingParams(temperature=0.0, max_tokens=16,
+                           structured_output=StructuredOutput(regex=r"[a-e]{4,30}"))
+    choice = SamplingParams(temperature=0.0, max_tokens=16,
+                            structured_output=StructuredOutput(choice=("yes", "no", "maybe so")))
+    params = [plain, regex, choice, regex]
+    common = dict(block_size=8, max_num_batched_tokens=16, num_gpu_blocks_override=16)
+    tp2 = generate("llama", prompts, 2, params, async_scheduling=True, **common)
+    tp1 = generate("llama", prompts, 1, params, async_scheduling=False, **common)
+    assert [r.outputs[0].token_ids for r in tp2] == [r.outputs[0].token_ids for r in tp1]
+    assert tp2[2].outputs[0].text in ("yes", "no", "maybe so")
+    assert_matches_hf("llama", prompts[:1], tp2[:1], max_tokens=16)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_abort_frees_blocks_and_shutdown_leaves_nothing_behind(async_scheduling):
     from raypaged.core.request import Request
