@@ -34,6 +34,8 @@
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
+#   structured   decode at batch 64 with half the requests under a JSON schema vs none, and grammar
+#                compile times (carry .whl: xgrammar's wheels in .whl/structured/) -> structured_8b_h200.json, .png, ~3
 #   tp           tensor parallelism at TP 1 and 2 (kind nvidia-h200-x2) [Ray] -> tp_8b_h200.json, .png, ~4
 #   faults       a TP=2 rank killed / raising / hanging (kind nvidia-h200-x2) [Ray] -> faults_h200x2.json, ~2
 #   all          every one-GPU suite above, in order (longer than one device call: name suites instead)
@@ -45,7 +47,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving
-         serving-multiturn channel staging sampler)
+         serving-multiturn channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -60,6 +62,17 @@ use_wheels() {  # the benchmark-only packages carried as wheels in .whl/ (FlashI
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || { echo "installing .whl/ failed: FlashInfer will be reported absent"; return 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# xgrammar (a raypaged dependency the machine lacks) from .whl/structured/, beside the apache-tvm-ffi it
+# needs (>= 0.1.11, newer than FlashInfer's 0.1.6: kept apart, in its own folder, for the suites
+# that use it).
+use_xgrammar() {
+    python3 -c "import xgrammar" 2>/dev/null && return 0
+    ls .whl/structured/*.whl >/dev/null 2>&1 || { echo "no .whl/structured/: carry xgrammar's wheels"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-xgrammar \
+        .whl/structured/*.whl || return 1
+    export PYTHONPATH=/tmp/site-xgrammar${PYTHONPATH:+:$PYTHONPATH}
 }
 
 RAY_READY=0
@@ -135,6 +148,8 @@ suite() {
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
         sampler) bench sampler 120 python3 -m benchmarks.bench_sampler --out "$OUT_DIR" ;;
+        structured) use_xgrammar && bench structured 300 python3 -m benchmarks.bench_structured --shape 8b \
+            --batch 64 --context 512 --steps 50 --schemas 200 --stream 2000 --out "$OUT_DIR" ;;
         tp) use_ray && bench tp 300 python3 -m benchmarks.bench_tp --shape 8b --tp-sizes 1,2 --batch-sizes 1,64 \
             --context 1024 --decode-steps 30 --throughput-batch 256 --prompt-len 512 --output-len 256 \
             --profile-steps 20 --out "$OUT_DIR" ;;

@@ -143,6 +143,8 @@ class StructuredOutputManager:
         """One row per request, from its matcher as it is now; a request gone meanwhile (its
         token will be dropped) gets a row allowing everything."""
         bitmask = xgr.allocate_token_bitmask(len(rows), self._compilers.vocab_size)
+        # One row at a time: xgrammar's threaded BatchGrammarMatcher was over ten times slower
+        # at 32 rows on the H200's host (benchmarks/README.md).
         for row, (_, constraint) in enumerate(rows):
             if constraint is not None:
                 constraint.fill(bitmask, row)
