@@ -13,7 +13,11 @@
 # frontend needs (1.84.0: the machine's grpcio; `pip download --no-deps -d .device
 # "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"`). The kernels suite's peer,
 # FlashInfer, comes from the wheels in .whl/ (flashinfer-python 0.5.3 and apache-tvm-ffi 0.1.6,
-# ignored by git: carry .whl with the call); without them it is reported absent.
+# ignored by git: carry .whl with the call); without them it is reported absent. The structured suite
+# needs xgrammar, which the machine lacks, from .whl/structured/: `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform
+# manylinux2014_x86_64 -d .whl/structured xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic
+# pydantic-core annotated-types typing-inspection`.
 #
 # Suites (minutes on one H200, from the last runs; a device call is at most 10 minutes):
 #   tests        every GPU-marked test (bf16 kernels at the 8B's shapes, PDL on/off bit for bit,
@@ -64,7 +68,7 @@ use_wheels() {  # the benchmark-only packages carried as wheels in .whl/ (FlashI
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 }
 
-# xgrammar (a raypaged dependency the machine lacks) from .whl/structured/, beside the apache-tvm-ffi it
+# xgrammar (a raypaged dependency the machine lacks) from .whl/structured/ with pydantic and the apache-tvm-ffi it
 # needs (>= 0.1.11, newer than FlashInfer's 0.1.6: kept apart, in its own folder, for the suites
 # that use it).
 use_xgrammar() {
