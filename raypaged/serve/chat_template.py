@@ -28,7 +28,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for call in message.get('tool_calls') or [] %}"
     "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
     "</tool_call>"
-    "{% endfor %}\n"
+    "{% endfor %}{{ '\\n' }}"  # a literal newline after a block tag would be trimmed
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
