@@ -292,13 +292,15 @@ class ChatCompletionRequest(OpenAIRequest):
         return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, parsing)
 
     def to_generate_request(self, prompt_token_ids: list[int], plan: ToolPlan | None = None) -> pb.GenerateRequest:
+        """plan: tool_plan()'s, with the server's parsers; None: as a server without any."""
+        plan = plan if plan is not None else self.tool_plan(ChatParsing())
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         message = self._generate_request(max_tokens, logprobs)
         message.prompt_token_ids.extend(prompt_token_ids)
-        if plan is not None and plan.enforced:
+        if plan.enforced:
             # The grammar writes the call: the request's own structured output cannot apply too.
             if message.sampling_params.HasField("structured_output"):
                 raise InvalidRequestError(f"tool_choice {plan.kind!r} is enforced with a grammar and "
@@ -306,7 +308,7 @@ class ChatCompletionRequest(OpenAIRequest):
             structured = pb.StructuredOutput(json_schema=plan.schema_text())
             structured_output_from_proto(structured)
             message.sampling_params.structured_output.CopyFrom(structured)
-        if plan is not None and plan.keeps_special_tokens and self.skip_special_tokens is None:
+        if plan.keeps_special_tokens and self.skip_special_tokens is None:
             message.sampling_params.skip_special_tokens = False
         return message
 
