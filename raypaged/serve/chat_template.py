@@ -12,6 +12,7 @@ Hermes-style (`<tool_call>{"name": …, "arguments": …}</tool_call>`) and a to
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from raypaged.core.errors import InvalidRequestError
@@ -39,10 +40,10 @@ def chat_prompt_token_ids(tokenizer: Any, messages: list[dict[str, Any]], max_ch
     """max_chars bounds the rendered text before it is tokenized (a prompt that long could not
     fit the context anyway, and tokenizing megabytes would stall the replica). tools: OpenAI's
     tool list, handed to the template (HF's `tools=` convention)."""
-    total = sum(len(m["content"] or "") for m in messages)
+    total = sum(len(m["content"] or "") for m in messages) + (len(json.dumps(tools)) if tools else 0)
     if total > max_chars:
         raise InvalidRequestError(
-            f"the messages have {total} characters; at most {max_chars} can fit this model's context")
+            f"the messages (and tools) have {total} characters; at most {max_chars} can fit this model's context")
     own_template = getattr(tokenizer, "chat_template", None)
     try:
         text = tokenizer.apply_chat_template(

@@ -251,3 +251,21 @@ def test_tool_calls_and_results_round_trip_through_the_templates(hermes_tokenize
     # Without tools the default template reads as it always has.
     assert hermes_tokenizer.apply_chat_template(USER, chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False,
                                                 add_generation_prompt=True) == "user: Weather in Paris?\nassistant:"
+
+
+def test_parser_flags_of_raypaged_serve_and_the_serve_app(capsys):
+    from raypaged.cli import build_parser, main
+    from raypaged.commands.serve import chat_parsing_from_args
+    from raypaged.config import ConfigError
+    from raypaged.serve.args import ServeAppArgs
+
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
+                                      "--reasoning-parser", "deepseek_r1"])
+    assert chat_parsing_from_args(args) == ChatParsing("llama3_json", True, "deepseek_r1")
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "enable_auto_tool_choice needs a tool_call_parser" in capsys.readouterr().err
+    served = ServeAppArgs.from_dict({"tool_call_parser": "hermes", "enable_auto_tool_choice": True,
+                                     "reasoning_parser": "qwen3"})
+    assert served.chat_parsing == ChatParsing("hermes", True, "qwen3")
+    with pytest.raises(ConfigError, match="unknown tool_call_parser 'nope'"):
+        ServeAppArgs.from_dict({"tool_call_parser": "nope"})
