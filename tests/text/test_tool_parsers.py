@@ -3,6 +3,7 @@ calls, and feeding it in any pieces (character by character, random cuts) gives 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -99,3 +100,41 @@ def test_named_function_output_is_the_arguments():
 def test_registry_uses_vllms_names():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
     assert TOOL_PARSERS["mistral"].needs_special_tokens and not TOOL_PARSERS["hermes"].needs_special_tokens
+
+
+KEY_TAILS = ["", '"', "}", "\\"]
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kinds = ["str", "int", "float", "bool", "null"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return "".join(rng.choice('ab "\\{}[],:;<>/\n\té') for _ in range(rng.randint(0, 6)))
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "dict":
+        return {f"k{i}" + rng.choice(KEY_TAILS): _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+    return {"int": rng.randint(-99, 99), "float": rng.random(), "bool": rng.random() < 0.5, "null": None}[kind]
+
+
+FORMATS = {
+    HermesToolParser: lambda calls: "".join(
+        f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>\n' for n, a in calls),
+    Llama3JsonToolParser: lambda calls: "; ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in calls),
+    MistralToolParser: lambda calls: "[TOOL_CALLS]["
+    + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]",
+}
+
+
+@pytest.mark.parametrize("parser", list(FORMATS), ids=lambda p: p.name)
+def test_random_arguments_survive_any_cut(parser):
+    """Strings full of braces, quotes, escapes and markers, nested values: the arguments come out
+    verbatim, whole or in random pieces."""
+    rng = random.Random(parser.name)
+    for trial in range(40):
+        calls = [(f"f{i}", json.dumps({"a": _random_value(rng)}, ensure_ascii=rng.random() < 0.5))
+                 for i in range(rng.randint(1, 3))]
+        text = FORMATS[parser](calls)
+        expected = ParsedOutput("", [ToolCall(n, a) for n, a in calls])
+        assert parser().parse(text) == expected, text
+        assert _fed(parser(), _pieces(text, "random", trial)) == expected, text
