@@ -43,7 +43,12 @@ CASES: list[tuple[type[ToolParser], str, str, list[tuple[str, str]]]] = [
     (MistralToolParser, 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {"q": "x"}}, {"name": "b", "arguments": '
      '"{\\"z\\": 1}"}]', "Sure.", [("a", '{"q": "x"}'), ("b", '{"z": 1}')]),
     (MistralToolParser, '[TOOL_CALLS]{"name": "a", "arguments": {}}', "", [("a", "{}")]),
-    (MistralToolParser, "no calls [TOOL_CALLS]here", "no calls[TOOL_CALLS]here", []),
+    (MistralToolParser, "no calls [TOOL_CALLS]", "no calls[TOOL_CALLS]", []),
+    (MistralToolParser, "[TOOL_CALLS][nope", "[TOOL_CALLS][nope", []),
+    # Mistral from tokenizer v11: the name, then the arguments, a token per call.
+    (MistralToolParser, 'Sure. [TOOL_CALLS]get_weather{"city": "P{a}ris"}[TOOL_CALLS]now[ARGS]{}', "Sure.",
+     [("get_weather", '{"city": "P{a}ris"}'), ("now", "{}")]),
+    (MistralToolParser, "[TOOL_CALLS]dangling", "[TOOL_CALLS]dangling", []),
     # What the grammar writes for tool_choice required.
     (RequiredCallsParser, '[{"name":"a","parameters":{"q":"x"}},{"name":"b","parameters":{}}]', "",
      [("a", '{"q":"x"}'), ("b", "{}")]),
@@ -123,18 +128,20 @@ FORMATS = {
     Llama3JsonToolParser: lambda calls: "; ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in calls),
     MistralToolParser: lambda calls: "[TOOL_CALLS]["
     + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]",
+    "mistral-v11": lambda calls: "".join(f"[TOOL_CALLS]{n}{a}" for n, a in calls),
 }
 
 
-@pytest.mark.parametrize("parser", list(FORMATS), ids=lambda p: p.name)
-def test_random_arguments_survive_any_cut(parser):
+@pytest.mark.parametrize("form", list(FORMATS), ids=lambda f: f if isinstance(f, str) else f.name)
+def test_random_arguments_survive_any_cut(form):
     """Strings full of braces, quotes, escapes and markers, nested values: the arguments come out
     verbatim, whole or in random pieces."""
-    rng = random.Random(parser.name)
+    parser = MistralToolParser if form == "mistral-v11" else form
+    rng = random.Random(str(form))
     for trial in range(40):
         calls = [(f"f{i}", json.dumps({"a": _random_value(rng)}, ensure_ascii=rng.random() < 0.5))
                  for i in range(rng.randint(1, 3))]
-        text = FORMATS[parser](calls)
+        text = FORMATS[form](calls)
         expected = ParsedOutput("", [ToolCall(n, a) for n, a in calls])
         assert parser().parse(text) == expected, text
         assert _fed(parser(), _pieces(text, "random", trial)) == expected, text

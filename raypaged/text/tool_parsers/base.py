@@ -96,9 +96,12 @@ class HeldText:
     def __init__(self, markers: tuple[str, ...]) -> None:
         self.markers = markers
         self.held = ""
+        self._firsts = frozenset(m[0] for m in markers)
 
     def push(self, char: str) -> tuple[str, str | None]:
         """(content now certain, the marker completed by char or None)."""
+        if not self.held and char not in self._firsts and not char.isspace():
+            return char, None  # the common case, decided at once
         self.held += char
         for marker in self.markers:
             position = self.held.find(marker)

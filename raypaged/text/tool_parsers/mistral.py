@@ -1,17 +1,58 @@
-"""Mistral's format: the `[TOOL_CALLS]` token, then a JSON array of calls,
+"""Mistral's formats: the `[TOOL_CALLS]` token, then either a JSON array of calls (tokenizers
+before v11; a lone object is read as one call)
 
     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
-(a lone object after the token is read as one call). Text before the token is content.
-`[TOOL_CALLS]` is a special token, so this parser asks the detokenizer to keep special tokens.
+or, from tokenizer v11 on, the name and then its arguments, one call per token (`[ARGS]` may
+stand between them)
+
+    [TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]now{}
+
+Text before the token is content. `[TOOL_CALLS]` is a special token, so this parser asks the
+detokenizer to keep special tokens.
 """
 
 from __future__ import annotations
 
-from raypaged.text.tool_parsers.base import Content, Event, HeldText, ToolParser
+from raypaged.text.tool_parsers.base import CallArguments, CallStarted, Content, Event, HeldText, ToolParser
 from raypaged.text.tool_parsers.json_calls import CallArray
 
-MARKER = "[TOOL_CALLS]"
+MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+class _NameThenArguments:
+    """`name{…}` (v11): the name until the object opens, then the object's text as arguments."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.name = ""
+        self.depth = 0
+        self.in_string = self.escape = False
+        self.done = False
+
+    def push(self, char: str) -> list[Event]:
+        if self.depth == 0:
+            if char != "{":
+                self.name += char
+                return []
+            name = self.name.strip().removesuffix(ARGS).strip()
+            self.depth = 1
+            return [CallStarted(self.index, name), CallArguments(self.index, char)]
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif char == "\\":
+                self.escape = True
+            elif char == '"':
+                self.in_string = False
+        elif char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+            self.done = self.depth == 0
+        return [CallArguments(self.index, char)]
 
 
 class MistralToolParser(ToolParser):
@@ -20,25 +61,36 @@ class MistralToolParser(ToolParser):
 
     def __init__(self) -> None:
         self.outside = HeldText((MARKER,))
+        self.after_marker = False  # the token was seen; the next character says which format
         self.array: CallArray | None = None
+        self.named: _NameThenArguments | None = None
         self.count = 0
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
         for char in text:
-            if self.array is None:
+            if self.after_marker and not char.isspace():
+                self.after_marker = False
+                if char in "[{":
+                    self.array = CallArray(first_index=self.count)
+                else:
+                    self.named = _NameThenArguments(self.count)
+            if self.array is not None:
+                events += self.array.push(char)
+                if self.array.done:
+                    events += self._close_array()
+            elif self.named is not None:
+                events += self.named.push(char)
+                if self.named.done:
+                    self.named, self.count = None, self.count + 1
+            elif not self.after_marker:
                 content, marker = self.outside.push(char)
                 if content:
                     events.append(Content(content))
-                if marker is not None:
-                    self.array = CallArray(first_index=self.count)
-                continue
-            events += self.array.push(char)
-            if self.array.done:
-                events += self._close()
+                self.after_marker = marker is not None
         return events
 
-    def _close(self) -> list[Event]:
+    def _close_array(self) -> list[Event]:
         assert self.array is not None
         events = self.array.close(wrap=(MARKER, ""))
         self.count = self.array.calls.count
@@ -46,6 +98,14 @@ class MistralToolParser(ToolParser):
         return events
 
     def finish(self) -> list[Event]:
-        events = self._close() if self.array is not None else []
+        events = self._close_array() if self.array is not None else []
+        if self.named is not None:
+            if self.named.depth == 0:  # the name never got its arguments: give it back
+                events.append(Content(MARKER + self.named.name))
+            else:
+                self.count += 1
+            self.named = None
+        if self.after_marker:
+            events.append(Content(MARKER))
         rest = self.outside.flush(drop_trailing_space=self.count > 0)
         return events + ([Content(rest)] if rest else [])
