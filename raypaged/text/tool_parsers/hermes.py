@@ -39,7 +39,7 @@ class HermesToolParser(ToolParser):
             events += self.calls.push(char)
             _, marker = self.closing.push(char)
             # The closing tag inside a JSON string is text of the arguments.
-            if marker is not None and not call.in_string:
+            if marker is not None and not call.nesting.in_string:
                 events += self.calls.close(strip_suffix=END, wrap=(START, END))
         return events
 

@@ -15,15 +15,43 @@ from raypaged.text.tool_parsers.base import CallArguments, CallStarted, Content,
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes / Mistral say arguments, Llama 3 parameters
 
 
+class JsonNesting:
+    """Where JSON text stands after each character: inside a string or not, and how deep in
+    brackets. push says what the character did: "string_end", "open", "close" or None."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+
+    def push(self, char: str) -> str | None:
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif char == "\\":
+                self.escape = True
+            elif char == '"':
+                self.in_string = False
+                return "string_end"
+            return None
+        if char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+            return "open"
+        elif char in "}]":
+            self.depth -= 1
+            return "close"
+        return None
+
+
 class CallObject:
     """One `{...}` from its opening brace. `failed`: the text is not a call object (then the
     caller decides what it was); `done`: the object closed."""
 
     def __init__(self) -> None:
         self.text = ""
-        self.depth = 0
-        self.in_string = False
-        self.escape = False
+        self.nesting = JsonNesting()
         self.expect = "open"  # open, key, colon, value, after
         self.token_start = 0  # where the key or value being read began
         self.key: str | None = None
@@ -38,25 +66,13 @@ class CallObject:
         self.text += char  # all of it, after the object too: a call given back keeps its words
         if self.done or self.failed:
             return
-        if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif char == "\\":
-                self.escape = True
-            elif char == '"':
-                self.in_string = False
-                if self.depth == 1:
-                    self._token_end(i + 1)
-            return
-        if self.depth >= 2:
-            if char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 1:
-                    self._value_end(i + 1)
+        nesting = self.nesting
+        if nesting.in_string or nesting.depth >= 2:
+            did = nesting.push(char)
+            if nesting.depth == 1 and did == "string_end":
+                self._token_end(i + 1)
+            elif nesting.depth == 1 and did == "close":
+                self._value_end(i + 1)
             return
         self._top_level(char, i)
 
@@ -66,13 +82,16 @@ class CallObject:
         expect = self.expect
         if expect == "open":
             if char == "{":
-                self.depth, self.expect = 1, "key"
+                self.nesting.push(char)
+                self.expect = "key"
             else:
                 self.failed = True
         elif expect == "key":
             if char == '"':
-                self.in_string, self.token_start = True, i
+                self.nesting.push(char)
+                self.token_start = i
             elif char == "}" and self.key is None:
+                self.nesting.push(char)
                 self.done = True
             else:
                 self.failed = True
@@ -82,10 +101,8 @@ class CallObject:
             self.token_start = i
             if self.key in ARGUMENT_KEYS:
                 self.args_start = i
-            if char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
+            if char == '"' or char in "{[":
+                self.nesting.push(char)
             else:
                 self.expect = "value_primitive"
         elif expect == "value_primitive":
@@ -105,7 +122,8 @@ class CallObject:
         if char == ",":
             self.expect = "key"
         elif char == "}":
-            self.done, self.depth = True, 0
+            self.nesting.push(char)
+            self.done = True
         else:
             self.failed = True
 

@@ -15,7 +15,7 @@ detokenizer to keep special tokens.
 from __future__ import annotations
 
 from raypaged.text.tool_parsers.base import CallArguments, CallStarted, Content, Event, HeldText, ToolParser
-from raypaged.text.tool_parsers.json_calls import CallArray
+from raypaged.text.tool_parsers.json_calls import CallArray, JsonNesting
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -26,33 +26,22 @@ class _NameThenArguments:
     def __init__(self, index: int) -> None:
         self.index = index
         self.name = ""
-        self.depth = 0
-        self.in_string = self.escape = False
+        self.nesting = JsonNesting()
         self.done = False
 
+    @property
+    def started(self) -> bool:
+        return self.nesting.depth > 0 or self.done
+
     def push(self, char: str) -> list[Event]:
-        if self.depth == 0:
+        events: list[Event] = []
+        if not self.started:
             if char != "{":
                 self.name += char
                 return []
-            name = self.name.strip().removesuffix(ARGS).strip()
-            self.depth = 1
-            return [CallStarted(self.index, name), CallArguments(self.index, char)]
-        if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif char == "\\":
-                self.escape = True
-            elif char == '"':
-                self.in_string = False
-        elif char == '"':
-            self.in_string = True
-        elif char in "{[":
-            self.depth += 1
-        elif char in "}]":
-            self.depth -= 1
-            self.done = self.depth == 0
-        return [CallArguments(self.index, char)]
+            events.append(CallStarted(self.index, self.name.strip().removesuffix(ARGS).strip()))
+        self.done = self.nesting.push(char) == "close" and self.nesting.depth == 0
+        return [*events, CallArguments(self.index, char)]
 
 
 class MistralToolParser(ToolParser):
@@ -100,7 +89,7 @@ class MistralToolParser(ToolParser):
     def finish(self) -> list[Event]:
         events = self._close_array() if self.array is not None else []
         if self.named is not None:
-            if self.named.depth == 0:  # the name never got its arguments: give it back
+            if not self.named.started:  # the name never got its arguments: give it back
                 events.append(Content(MARKER + self.named.name))
             else:
                 self.count += 1
