@@ -35,8 +35,8 @@ def hf_model(name: str) -> torch.nn.Module:
 
 @functools.cache
 def our_model(name: str) -> tuple[torch.nn.Module, ModelConfig]:
-    path = checkpoint_dir(name)
-    return load_model(path, dtype=torch.float32, progress=False), ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(checkpoint_dir(name), CHECKPOINTS[name].max_model_len)
+    return load_model(config, dtype=torch.float32, progress=False), config
 
 
 def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int) -> dict[str, list[int]]:
