@@ -52,7 +52,8 @@ def test_variant_matches_transformers_with_caching_chunking_and_preemption(name,
     _caching_chunking_preemption(name, async_scheduling)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_scheduling",
+                         [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"])
 def test_phi3_long_factors_past_the_original_context(async_scheduling):
     """Served at max_model_len 256 > original 64: the long factors for every token, as
     transformers uses them for a prompt longer than the original context (chunked and cached)."""
