@@ -126,7 +126,10 @@ class ModelConfig:
             )
         elif max_model_len > served_pos:
             raise ModelConfigError(
-                f"max_model_len {max_model_len} exceeds max_position_embeddings {served_pos}"
+                f"max_model_len {max_model_len} exceeds "
+                + (f"max_position_embeddings {max_pos}" if served_pos == max_pos else
+                   f"the {served_pos} positions {rope.rope_type} rope serves "
+                   "(original_max_position_embeddings x factor)")
                 + (" (dynamic NTK rope is served only up to max_position_embeddings, where its "
                    "frequencies do not depend on how a sequence is split into steps)"
                    if rope.rope_type == "dynamic" else "")

@@ -4,8 +4,8 @@ What differs between them is configuration only (read by ModelConfig): Qwen2 has
 Llama may have attention/MLP biases, llama3 rope scaling, tied embeddings. Mistral's sliding
 window never applies because ModelConfig caps max_model_len at the window.
 
-Qwen3 (q/k norms, qwen3.py) and Phi-3 (fused checkpoint tensors, partial rotary, phi3.py) are
-subclasses that swap the attention or MLP class; registry.py lists every architecture.
+Qwen3 (q/k norms, qwen3.py: swaps the attention class) and Phi-3 (fused checkpoint tensors,
+phi3.py: its own checkpoint name map) are subclasses; registry.py lists every architecture.
 
 Checkpoint names are Hugging Face's; `checkpoint_tensors()` maps each one to the layer (and the
 shard of a merged weight) that loads it.
@@ -87,14 +87,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self,
-        config: ModelConfig,
-        attention_class: type[LlamaAttention] = LlamaAttention,
-        mlp_class: type[LlamaMLP] = LlamaMLP,
+        self, config: ModelConfig, attention_class: type[LlamaAttention] = LlamaAttention
     ) -> None:
         super().__init__()
         self.self_attn = attention_class(config)
-        self.mlp = mlp_class(config)
+        self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -205,9 +202,8 @@ _MERGED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    # What a family built on this decoder changes in its layers (qwen3.py, phi3.py).
+    # What a family built on this decoder changes in its layers (qwen3.py).
     attention_class: type[LlamaAttention] = LlamaAttention
-    mlp_class: type[LlamaMLP] = LlamaMLP
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -219,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _make_layer(self, config: ModelConfig) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(config, self.attention_class, self.mlp_class)
+        return LlamaDecoderLayer(config, self.attention_class)
 
     def forward(
         self,

@@ -61,7 +61,7 @@ def test_yarn_serves_the_stretched_original_context():
                     rope_parameters=dict(rope_type="yarn", factor=4.0,
                                          original_max_position_embeddings=128))
     assert _ours(hf).max_model_len == 512
-    with pytest.raises(ModelConfigError, match="exceeds max_position_embeddings 512"):
+    with pytest.raises(ModelConfigError, match=r"exceeds the 512 positions yarn rope serves \("):
         _ours(hf, max_model_len=513)
 
 
