@@ -114,7 +114,7 @@ gpu_test_files() {  # the files holding GPU tests: collecting the whole suite wo
 
 suite() {
     case $1 in
-        tests) bench tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
+        tests) use_xgrammar; bench tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
         kernels) use_wheels; bench kernels 450 python3 -m benchmarks.bench_kernels --out "$OUT_DIR" ;;
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \

@@ -127,3 +127,26 @@ def test_manager_defers_a_step_whose_input_is_in_flight(engines):
     idle = SchedulerOutput()
     manager.fill_bitmask(idle, {}, lambda group: False)
     assert idle.deferred_bitmask is None and not idle.deferred_req_ids
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_cuda_graphs_async_equals_sync():
+    """On the GPU the deferred step's logits live between two calls beside the captured decode
+    graphs (whose outputs the next replay overwrites): the tokens still equal sync scheduling's."""
+    prompts = random_prompts([5, 9, 3, 7, 12], vocab_of(NAME), seed=23)
+    params = [_greedy(24, StructuredOutput(regex=PATTERN)), _greedy(16, None, ignore_eos=True),
+              _greedy(24, StructuredOutput(choice=("alpha", "beta", "gamma delta"))),
+              _greedy(24, StructuredOutput(json_object=True)), _greedy(16, None, ignore_eos=True)]
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(checkpoint_dir(NAME)), device="cuda", dtype="float32", max_num_seqs=8,
+                  async_scheduling=async_scheduling)
+        try:
+            assert llm.engine.executor.worker.runner.decode_graphs is not None
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        finally:
+            llm.shutdown()
+        runs.append([r.outputs[0].token_ids for r in results])
+        assert re.fullmatch(r"[a-e]*", results[0].outputs[0].text)
+        assert results[2].outputs[0].text in ("alpha", "beta", "gamma delta")
+    assert runs[0] == runs[1]
