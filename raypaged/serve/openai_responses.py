@@ -9,17 +9,20 @@ choice's text (streaming: in the choice's first chunk); with logprobs, the promp
 the choice's logprobs (the first one unscored: null), as OpenAI answers. vLLM's prompt_logprobs:
 [null, {token id: {logprob, rank, decoded_token}}, …], on each completion choice (and its first
 chunk), or on the chat response (and its first chunk), where vLLM puts them. The prompt's
-scores ride on each sample's first delta (raypaged.v1).
+scores ride on each sample's first delta (raypaged.v1). Chat choices with a parser (tools,
+reasoning: serve/chat_output.py) carry reasoning_content and tool_calls beside the content.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.chat_output import ChatChoiceParser
 
 FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
@@ -62,10 +65,13 @@ class ResponseBuilder:
     def __init__(self, *, chat: bool, request_id: str, model: str, tokenizer: Any, n: int,
                  logprobs: bool, include_usage: bool, echo: str | None = None,
                  num_logprobs: int | None = None, echo_logprobs: bool = False,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None,
+                 chat_parser: Callable[[], ChatChoiceParser] | None = None) -> None:
         """num_logprobs: the top logprobs asked per token (completions: echo's prompt entries
-        are cut to it); echo_logprobs: echo with logprobs; prompt_logprobs: vLLM's, as asked."""
+        are cut to it); echo_logprobs: echo with logprobs; prompt_logprobs: vLLM's, as asked;
+        chat_parser: makes each chat choice's parser (None: the text is the content)."""
         self.chat = chat
+        self.parsers = [chat_parser() for _ in range(n)] if chat and chat_parser is not None else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
@@ -111,8 +117,16 @@ class ResponseBuilder:
         if not self._echo_sent[delta.index]:
             text = (self.echo or "") + text
             self._echo_sent[delta.index] = True
+        parsed = None
+        if self.parsers is not None:
+            parser = self.parsers[delta.index]
+            parsed = parser.feed(delta.text)
+            if finish is not None:
+                parsed.extend(parser.finish())
+                finish = parser.finish_reason(finish)
         prompt = list(delta.prompt_logprobs)
-        if not text and finish is None and not (self.logprobs and delta.logprobs) and not prompt:
+        if (not text if parsed is None else not parsed) and finish is None \
+                and not (self.logprobs and delta.logprobs) and not prompt:
             return None  # held-back text (split UTF-8, a possible stop string): nothing to send yet
         logprobs = None
         if self.logprobs:
@@ -129,7 +143,9 @@ class ResponseBuilder:
             if not self._role_sent[delta.index]:
                 content["role"] = "assistant"
                 self._role_sent[delta.index] = True
-            if delta.text or "role" in content:
+            if parsed is not None:
+                content.update(parsed.fields())
+            elif delta.text or "role" in content:
                 content["content"] = delta.text
             choice["delta"] = content
         else:
@@ -168,7 +184,11 @@ class ResponseBuilder:
                                      "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
             if self.prompt_logprobs is not None and not self.chat:
                 entry["prompt_logprobs"] = self._vllm_prompt_logprobs(self.prompt_entries)
-            if self.chat:
+            if self.chat and self.parsers is not None:
+                parser = self.parsers[index]
+                entry["message"] = parser.message(text)
+                entry["finish_reason"] = parser.finish_reason(choice.finish_reason)
+            elif self.chat:
                 entry["message"] = {"role": "assistant", "content": text}
             else:
                 entry["text"] = text

@@ -231,8 +231,9 @@ def test_logit_bias_and_prompt_logprobs_reach_the_message():
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, r"tools\[0\].function must be an object"),
+    ({"tool_choice": "auto"}, "tool_choice 'auto' needs a non-empty tools list"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
     ({"response_format": {"type": "xml"}}, "response_format type .xml. is not supported"),
     ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
