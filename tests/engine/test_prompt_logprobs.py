@@ -83,3 +83,16 @@ def test_prompt_logprobs_with_n_and_preemption(monkeypatch):
     for prompt, result in zip(prompts, results):
         assert_prompt_logprobs(prompt, result.prompt_logprobs, 1)
     assert_matches_hf(NAME, prompts, results, max_tokens=20)
+
+
+def test_prompt_logprobs_of_a_constrained_request(llm):
+    """A constrained request's step may be sampled a call later (its mask waits under async
+    scheduling): its prompt's scores still arrive whole, and the output keeps to the grammar."""
+    from raypaged.core.structured_output import StructuredOutput
+
+    prompt = random_prompts([21], vocab_of(NAME), seed=35)[0]
+    choices = ("alpha", "beta")
+    [result] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0.0, max_tokens=12, prompt_logprobs=2, structured_output=StructuredOutput(choice=choices)))
+    assert result.outputs[0].text in choices
+    assert_prompt_logprobs(prompt, result.prompt_logprobs, 2)
