@@ -109,8 +109,14 @@ def _checkpoint_quantization(config: ModelConfig) -> dict[str, Any] | None:
 
 def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     import torch
-    from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils.match import is_match
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+        from compressed_tensors.utils.match import is_match
+    except ImportError as e:
+        raise QuantizationError(
+            "this is a compressed-tensors checkpoint: install compressed-tensors (pip install "
+            "'raypaged[fp8]') to read its quantization_config"
+        ) from e
     from pydantic import ValidationError
 
     try:
