@@ -63,13 +63,14 @@ class QuantizationPlan:
             if not self.scheme.from_checkpoint:
                 _quantize_at_load(q.layer, q.method)
                 continue
+            names = ", ".join(name for name, _ in q.parts)
             if not torch.isfinite(q.method.weight_scale).all() or (q.method.weight_scale <= 0).any():
-                raise QuantizationError(f"{q.parts[0][0]}.weight_scale has values that are not positive and finite")
+                raise QuantizationError(f"the weight_scale of {names} has values that are not positive and finite")
             if q.input_scales is not None:
                 assert q.method.input_scale is not None
+                if not torch.isfinite(q.input_scales).all() or (q.input_scales <= 0).any():
+                    raise QuantizationError(f"the input_scale of {names} is not positive and finite")
                 q.method.input_scale.copy_(q.input_scales.max().reshape(1))
-                if not torch.isfinite(q.method.input_scale).all() or (q.method.input_scale <= 0).any():
-                    raise QuantizationError(f"{q.parts[0][0]}.input_scale is not positive and finite")
 
 
 def plan_quantization(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.device) -> QuantizationPlan:
