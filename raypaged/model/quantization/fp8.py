@@ -10,6 +10,11 @@ input_scale. Then:
 - elsewhere (CPU, CI): the same arithmetic as a reference, the fp8 values widened to fp32,
   multiplied, and the product scaled by both scales (numerics.scaled_matmul_reference).
 
+Small decode steps on the Triton backend take the skinny GEMM's FP8 variant instead
+(ops.linear_fp8, kernels/gemv.py: the weight read at one byte an element, the same scaled
+arithmetic). Its fused rope / SwiGLU epilogues are chosen by the device's tuned table, which has
+no FP8 entries yet, so FP8 layers run rope and SwiGLU as separate kernels.
+
 Either way the numbers that enter the product are the e4m3 values, so the CPU tests check the
 quantization the GPU runs.
 """
@@ -17,6 +22,8 @@ quantization the GPU runs.
 from __future__ import annotations
 
 import torch
+
+from raypaged.kernels import ops
 
 from .base import LinearMethod
 from .numerics import FP8_DTYPE, quantize_activation, scaled_matmul_reference
@@ -86,6 +93,9 @@ class Fp8Linear(LinearMethod):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         xq, x_scale = self.quantize_input(x2)
+        skinny = ops.linear_fp8(x2, xq, x_scale, weight, self.weight_scale, bias)
+        if skinny is not None:
+            return skinny.reshape(*lead, -1)
         if x.is_cuda:
             out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
                                    out_dtype=torch.bfloat16)
