@@ -24,6 +24,10 @@ Which rows take this kernel is ops.linear's choice (`launch_config`): up to DEFA
 up to MAX_ROWS where the device's tuned table (gemv_table.py, written by bench_gemv.py) found it
 faster than cuBLAS for that weight's shape.
 
+`gemv_fp8` is the FP8 (W8A8) variant for model/quantization: e4m3 rows and weights into the
+tensor cores' FP8 dot, the fp32 sums scaled by each row's and each output feature's scale before
+the epilogue, so the weight is read at one byte an element (ops.linear_fp8).
+
 `gemv_rope` and `gemv_silu_mul` run the product with the decoder's next elementwise step in the
 epilogue (gemv_epilogues.py): ops.linear_rope / linear_silu_mul, from EPILOGUE_MIN_ROWS rows
 (`epilogue_config`). What was measured and not kept is in benchmarks/README.md (history).
@@ -86,7 +90,7 @@ def _gemv_kernel(
     EPILOGUE: tl.constexpr,  # gemv_epilogues: PLAIN, ROPE or SILU_MUL
     HALF: tl.constexpr,  # ROPE: head_dim / 2
     DOT_MODE: tl.constexpr,
-    FP8: tl.constexpr,  # x and w are e4m3, the product is scaled by x_scale[m] · w_scale[n]
+    FP8: tl.constexpr,  # x and w are e4m3 (an FP8 dot), the sums scaled by x_scale[m] · w_scale[n]
     USE_PDL: tl.constexpr,
     TRIGGER_AT_END: tl.constexpr,  # PDL: let the next kernel launch at the end, not the start
 ):
@@ -116,9 +120,6 @@ def _gemv_kernel(
             x_mask = row_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if FP8:  # e4m3 values are exact in bf16: the products are those of an FP8 dot
-            w = w.to(tl.bfloat16)
-            x = x.to(tl.bfloat16)
         acc += dot(w, tl.trans(x), DOT_MODE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -170,7 +171,8 @@ def default_config(out_features: int, in_features: int, element_size: int = 2,
     o, down), 128-wide otherwise; as many pipeline stages as shared memory holds, up to 5; no
     split-K."""
     block_n = 64
-    block_k = 256 if out_features <= 4096 else 128
+    # FP8 weights (one byte an element): 256-wide K tiles on every shape.
+    block_k = 256 if out_features <= 4096 or element_size == 1 else 128
     m_pad = padded_rows(rows)
     budget = shared_memory - 8 * 1024
     while block_k > 32 and 2 * (block_n + m_pad) * block_k * element_size > budget:
@@ -387,8 +389,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     else:
         partial = arrivals = out  # unused
     w_scale, x_scale = fp8_scales if fp8_scales is not None else (out, out)
-    # FP8 operands are widened to bf16 for the dot: its mode is bf16's on this device.
-    dot_of = torch.empty(0, dtype=torch.bfloat16, device=x.device) if fp8_scales is not None else x
+    # FP8: the tensor cores' FP8 dot on the GPU; the interpreter widens the operands to fp32.
+    mode = ("native" if x.is_cuda else "widen") if fp8_scales is not None else dot_mode(x)
     _gemv_kernel[(tiles, split_k)](
         x, weight, bias if bias is not None else out, out, partial, arrivals,
         cos if cos is not None else out, sin if sin is not None else out, w_scale, x_scale,
@@ -402,7 +404,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         EVEN=out_features % block_n == 0 and in_features % block_k == 0,
         EPILOGUE=epilogue,
         HALF=half,
-        DOT_MODE=dot_mode(dot_of),
+        DOT_MODE=mode,
         FP8=fp8_scales is not None,
         TRIGGER_AT_END=_dependents_at_end(epilogue),
         num_warps=config["num_warps"],

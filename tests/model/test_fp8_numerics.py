@@ -170,3 +170,44 @@ def test_fp8_linear_takes_the_skinny_gemm_on_the_triton_backend(monkeypatch):
     finally:
         ops.set_backend("auto")
     assert calls and torch.allclose(out, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_skinny_fp8_gemm_on_the_gpu_matches_the_reference(rows):
+    from raypaged.kernels.gemv import gemv_fp8, launch_config
+
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(4096, 4096, generator=g), torch.randn(rows, 4096, generator=g)
+    method, wq = _fp8_layer(w)
+    xq, sx = method.quantize_input(x)
+    ref = method.matmul(x, wq, None)
+    xq, sx, wq_cuda = xq.cuda(), sx.cuda(), wq.cuda()
+    config = launch_config(xq, wq_cuda)
+    assert config is not None  # up to 16 rows take the kernel by default
+    out = gemv_fp8(xq, sx, wq_cuda, method.weight_scale.cuda(), None, torch.bfloat16, config)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().mean()))
+
+
+@pytest.mark.gpu
+def test_fp8_model_on_the_gpu_is_close_to_the_cpu_reference():
+    """The whole decoder in bf16 on the GPU (_scaled_mm for prefill, the skinny FP8 GEMM for
+    decode rows) against the fp32 CPU reference of the same FP8 weights."""
+    from raypaged.model.loader import load_model
+    from tests.support.checkpoints import checkpoint_dir
+    from tests.support.model_harness import PagedHarness, run_mixed_schedule
+
+    def logits(device, dtype):
+        model = load_model(checkpoint_dir("llama"), dtype=dtype, device=device, quantization="fp8", progress=False)
+        harness = PagedHarness(model, model.config, block_size=16, num_blocks=32, seed=3, dtype=dtype, device=device)
+        prompts = {"a": list(range(3, 20)), "b": list(range(40, 45))}
+        run_mixed_schedule(harness, prompts, 4)
+        return {r: harness.logits_of(r).float().cpu() for r in prompts}, model
+
+    cpu, _ = logits("cpu", torch.float32)
+    gpu, model = logits("cuda", torch.bfloat16)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+    for req in cpu:
+        n = min(len(cpu[req]), len(gpu[req])) - 4  # the prompt's positions
+        rel = (gpu[req][:n] - cpu[req][:n]).norm() / cpu[req][:n].norm()
+        assert rel < 0.05, (req, float(rel))
