@@ -178,3 +178,22 @@ def test_fp8_through_the_triton_kernels_matches_the_reference_path():
     assert tokens == reference_tokens
     for req in PROMPTS:
         torch.testing.assert_close(logits[req], reference_logits[req], rtol=1e-4, atol=1e-4)
+
+
+def test_modelopt_quantization_config_in_config_json_is_read_too(tmp_path):
+    """Newer ModelOpt exports put the same fields in config.json's quantization_config."""
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(modelopt_dir(), path)
+    quant = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    (path / "hf_quant_config.json").unlink()
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", **quant}
+    (path / "config.json").write_text(json.dumps(config))
+    a, b = _fp8_layers(_load(path)), _fp8_layers(_load(modelopt_dir()))
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name].weight.view(torch.uint8), b[name].weight.view(torch.uint8))
+        assert torch.equal(a[name].quant.input_scale, b[name].quant.input_scale)

@@ -9,7 +9,7 @@ Understood:
   per tensor (dynamic) or static with `input_scale`; parsed and validated by compressed-tensors'
   own QuantizationConfig, its targets / ignore lists matched by its own `is_match`;
 - NVIDIA ModelOpt (`hf_quant_config.json`, or `quantization_config.quant_method == "modelopt"`):
-  quant_algo FP8 (per-tensor weight_scale, static input_scale) or FP8_PER_CHANNEL_PER_TOKEN.
+  quant_algo FP8 (per-tensor weight_scale, static input_scale).
 
 Anything else quantized (int8, int4/w4a16, block-wise FP8, NVFP4, GPTQ/AWQ, FP8 weights without
 activation quantization) is a `QuantizationError` at load, never a silent bf16 model.
@@ -186,7 +186,7 @@ def _describe(args: Any) -> str:
 
 # -- ModelOpt ----------------------------------------------------------------------------------
 
-_MODELOPT_ALGOS = {"FP8": ("tensor", "static"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "token")}
+_MODELOPT_ALGOS = {"FP8": ("tensor", "static")}
 
 
 def _modelopt(raw: dict[str, Any]) -> Fp8Scheme:
