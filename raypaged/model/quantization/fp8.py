@@ -85,7 +85,9 @@ class Fp8Linear(LinearMethod):
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, K] -> (e4m3 [T, K], scales [T, 1] fp32) as this layer's scheme says."""
-        return quantize_activation(x, self.input_scale, per_token=self.activation == "token")
+        if self.activation == "tensor":  # one amax over the whole step: the torch ops
+            return quantize_activation(x, per_token=False)
+        return ops.quantize_fp8(x, self.input_scale)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if weight.dtype != FP8_DTYPE:

@@ -4,29 +4,19 @@ One definition, used by the at-load quantizer, the CPU reference GEMM and the te
 what the checkpoint tools compute (compressed-tensors: scale = amax / 448, q = x / scale cast to
 e4m3 after clamping to ±448) and what raypaged computes are the same numbers.
 
-Whether a bare cast of a value beyond e4m3's range gives ±448 or NaN (e4m3fn has no inf)
-depends on the torch build and device, so every cast here clamps first: out-of-range values
-saturate at ±448, never inf or NaN.
+The elementary steps (the scale of an amax, the saturating cast, a row's quantization) are
+kernels/fp8_quant.py's, whose Triton kernel computes the same: every cast clamps first, so
+out-of-range values saturate at ±448, never inf or NaN.
 """
 
 from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# The smallest scale: an all-zero row or token quantizes to zeros instead of dividing by 0.
-MIN_SCALE = float(torch.finfo(torch.float32).eps)
+from raypaged.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows_ref, scale_for, to_fp8
 
-
-def scale_for(amax: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale that maps |x| <= amax onto e4m3's range."""
-    return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
-
-
-def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale, clamped to ±FP8_MAX, as float8_e4m3fn (scale broadcasts against x)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "dequantize", "per_channel_amax", "quantize_activation",
+           "quantize_weight", "scale_for", "scaled_matmul_reference", "to_fp8"]
 
 
 def per_channel_amax(weight: torch.Tensor) -> torch.Tensor:
@@ -45,13 +35,10 @@ def quantize_activation(x: torch.Tensor, static_scale: torch.Tensor | None = Non
                         per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], scales [M, 1] fp32): one scale per token (dynamic), one for
     the whole tensor (dynamic, per_token=False), or the checkpoint's static scale."""
-    if static_scale is not None:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    elif per_token:
-        scale = scale_for(x.detach().abs().amax(dim=-1, keepdim=True))
-    else:
-        scale = scale_for(x.detach().abs().amax()).reshape(1, 1).expand(x.shape[0], 1)
-    return to_fp8(x, scale), scale.contiguous()
+    if static_scale is not None or per_token:
+        return quantize_rows_ref(x, static_scale)
+    scale = scale_for(x.detach().abs().amax()).reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return to_fp8(x, scale), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
