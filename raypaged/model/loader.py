@@ -30,11 +30,12 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .layers import WeightShapeError
-from .llama import MODEL_REGISTRY, CheckpointTarget, LlamaForCausalLM
+from .llama import CheckpointTarget, LlamaForCausalLM
 from .parallel import get_tp_rank, get_tp_size
 from .quantization.fp8 import check_device
 from .quantization.loading import QuantizationPlan, plan_quantization
 from .quantization.schemes import resolve_quantization
+from .registry import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
 

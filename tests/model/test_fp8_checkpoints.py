@@ -197,3 +197,28 @@ def test_modelopt_quantization_config_in_config_json_is_read_too(tmp_path):
     for name in a:
         assert torch.equal(a[name].weight.view(torch.uint8), b[name].weight.view(torch.uint8))
         assert torch.equal(a[name].quant.input_scale, b[name].quant.input_scale)
+
+
+@pytest.mark.parametrize("weights, activations", [("channel", "token"), ("tensor", "static")])
+def test_phi3_fused_tensors_quantize_and_load_per_part(weights, activations):
+    """Phi-3's checkpoint fuses qkv and gate/up into one tensor each (one scale per fused tensor
+    when per tensor); at load every linear is quantized, and the compressed-tensors checkpoint
+    matches transformers. ("phi3-partial": the longrope "phi3" is served at a length set by its
+    spec, which _load does not pass.)"""
+    from tests.support.hf_oracle import hf_greedy
+
+    at_load = _load(checkpoint_dir("phi3-partial"), quantization="fp8")
+    assert len(_fp8_layers(at_load)) == 4 * at_load.config.num_hidden_layers
+    path = compressed_tensors_dir(weights, activations, base="phi3-partial")
+    model = _load(path)
+    assert len(_fp8_layers(model)) == 4 * model.config.num_hidden_layers
+    if weights == "channel":  # the same quantization, at load or stored
+        for name, layer in _fp8_layers(model).items():
+            other = _fp8_layers(at_load)[name]
+            assert torch.equal(layer.weight.view(torch.uint8), other.weight.view(torch.uint8)), name
+            assert torch.equal(layer.quant.weight_scale, other.quant.weight_scale), name
+    harness = PagedHarness(model, model.config, block_size=8, num_blocks=32, seed=3)
+    prompts = dict(zip(("a", "b"), random_prompts([5, 11], model.config.vocab_size, seed=7)))
+    generated = run_mixed_schedule(harness, prompts, DECODE_STEPS)
+    for req, prompt in prompts.items():
+        assert generated[req] == hf_greedy(path, tuple(prompt), len(generated[req])), req

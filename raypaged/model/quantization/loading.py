@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..fused_weights import FusedRows
 from ..layers import ColumnParallelLinear, RowParallelLinear, TensorSource, WeightShapeError
 from ..llama import CheckpointTarget, LlamaForCausalLM
 from ..parallel import get_tp_size, tp_all_reduce
@@ -45,7 +46,9 @@ KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 class QuantizedLayer:
     layer: Linear
     method: Fp8Linear
-    parts: list[tuple[str, object]]  # (checkpoint module name, the layer's shard id) per part
+    # (checkpoint module name, the layer's shard id) per checkpoint tensor; a fused tensor
+    # (Phi-3's qkv_proj) has the tuple of the shards it stacks
+    parts: list[tuple[str, object]]
     input_scales: torch.Tensor | None = None  # static activations: one per part, until finish()
 
 
@@ -102,8 +105,7 @@ def plan_quantization(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.
             q.input_scales = torch.zeros(len(parts), dtype=torch.float32, device=device)
         for index, (name, shard) in enumerate(parts):
             plan.dtypes[f"{name}.weight"] = FP8_CHECKPOINT_DTYPES
-            plan.targets[f"{name}.weight_scale"] = CheckpointTarget(
-                _WeightScale(layer, method, scheme.weight_strategy), "weight_scale", shard)
+            plan.targets[f"{name}.weight_scale"] = _scale_target(layer, method, scheme.weight_strategy, shard)
             plan.dtypes[f"{name}.weight_scale"] = SCALE_CHECKPOINT_DTYPES
             if q.input_scales is not None:
                 plan.targets[f"{name}.input_scale"] = CheckpointTarget(_InputScale(q), "input_scale", index)
@@ -115,12 +117,28 @@ def plan_quantization(model: LlamaForCausalLM, scheme: Fp8Scheme, device: torch.
 
 def _linears(model: LlamaForCausalLM) -> dict[Linear, list[tuple[str, object]]]:
     """Each TP linear layer -> the checkpoint modules merged into it, from the model's own map
-    of checkpoint names (so it holds for every decoder that uses these layers)."""
+    of checkpoint names (so it holds for every decoder that uses these layers, fused checkpoint
+    tensors included)."""
     layers: dict[Linear, list[tuple[str, object]]] = {}
     for name, target in model.checkpoint_tensors().items():
-        if target.param == "weight" and isinstance(target.module, ColumnParallelLinear | RowParallelLinear):
-            layers.setdefault(target.module, []).append((name.removesuffix(".weight"), target.shard))
+        if target.param != "weight":
+            continue
+        module: object = target.module
+        shard = target.shard
+        if isinstance(target.module, FusedRows):
+            module, shard = target.module.module, tuple(target.module.parts)
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            layers.setdefault(module, []).append((name.removesuffix(".weight"), shard))
     return layers
+
+
+def _scale_target(layer: Linear, method: Fp8Linear, strategy: str, shard: object) -> CheckpointTarget:
+    """Where `<proj>.weight_scale` loads. A fused tensor's per-channel scales are split by rows
+    like its weight (FusedRows); its one per-tensor scale covers all of its parts' rows."""
+    scales = _WeightScale(layer, method, strategy)
+    if isinstance(shard, tuple) and strategy == "channel":
+        return CheckpointTarget(FusedRows(scales, shard), "weight_scale")
+    return CheckpointTarget(scales, "weight_scale", shard)
 
 
 def _quantize_at_load(layer: Linear, method: Fp8Linear) -> None:
@@ -147,13 +165,12 @@ class _WeightScale:
     def __init__(self, layer: Linear, method: Fp8Linear, strategy: str) -> None:
         self.layer, self.method, self.strategy = layer, method, strategy
 
-    def _rows(self, shard: object) -> tuple[int, int, int]:
-        """(first checkpoint row read, rows, first row written) of this rank."""
+    def _rows(self, shard: object) -> list[tuple[int, int, int]]:
+        """(first checkpoint row read, rows, first row written) of this rank, per part."""
         if isinstance(self.layer, ColumnParallelLinear):
-            s = self.layer.output_shard(shard)
-            return s.source_start, s.rows, s.dest_start
-        rows = self.layer.weight.shape[0]  # row-parallel: every rank has every output row
-        return 0, rows, 0
+            shards = [self.layer.output_shard(part) for part in (shard if isinstance(shard, tuple) else (shard,))]
+            return [(s.source_start, s.rows, s.dest_start) for s in shards]
+        return [(0, self.layer.weight.shape[0], 0)]  # row-parallel: every rank has every output row
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:
         if self.strategy == "tensor":
@@ -163,12 +180,13 @@ class _WeightScale:
         return (self.layer.weight.shape[0], 1)
 
     def load_weight(self, param: str, shard: object, source: TensorSource) -> None:
-        start, rows, dest = self._rows(shard)
-        target = self.method.weight_scale[dest : dest + rows]
-        if self.strategy == "tensor":
-            target.fill_(_scalar(source))
-        else:
-            target.copy_(source.read(rows=slice(start, start + rows)).reshape(-1))
+        value = _scalar(source) if self.strategy == "tensor" else None
+        for start, rows, dest in self._rows(shard):
+            target = self.method.weight_scale[dest : dest + rows]
+            if value is not None:
+                target.fill_(value)
+            else:
+                target.copy_(source.read(rows=slice(start, start + rows)).reshape(-1))
 
 
 class _InputScale:
