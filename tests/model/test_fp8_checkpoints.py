@@ -222,3 +222,19 @@ def test_phi3_fused_tensors_quantize_and_load_per_part(weights, activations):
     generated = run_mixed_schedule(harness, prompts, DECODE_STEPS)
     for req, prompt in prompts.items():
         assert generated[req] == hf_greedy(path, tuple(prompt), len(generated[req])), req
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "llama-tied", "phi3-partial"])
+def test_every_architecture_quantizes_its_linears_at_load(name):
+    """Biases (qwen2, llama-tied), head norms (qwen3), fused tensors (phi3): every linear is FP8,
+    and the prompt's logits stay within FP8's error of the float model's."""
+    path = checkpoint_dir(name)
+    float_model, fp8_model = _load(path), _load(path, quantization="fp8")
+    assert len(_fp8_layers(fp8_model)) == 4 * fp8_model.config.num_hidden_layers
+    prompt = random_prompts([9], fp8_model.config.vocab_size, seed=8)[0]
+    logits = []
+    for model in (float_model, fp8_model):
+        harness = PagedHarness(model, model.config, block_size=8, num_blocks=16, seed=3)
+        run_mixed_schedule(harness, {"a": prompt}, 0)
+        logits.append(harness.logits_of("a")[: len(prompt)])
+    assert 1e-3 < (logits[1] - logits[0]).norm() / logits[0].norm() < 0.2
