@@ -224,9 +224,9 @@ def test_phi3_fused_tensors_quantize_and_load_per_part(weights, activations):
         assert generated[req] == hf_greedy(path, tuple(prompt), len(generated[req])), req
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "llama-tied", "phi3-partial"])
+@pytest.mark.parametrize("name", ["qwen3", "llama-tied", "phi3-partial"])
 def test_every_architecture_quantizes_its_linears_at_load(name):
-    """Biases (qwen2, llama-tied), head norms (qwen3), fused tensors (phi3): every linear is FP8,
+    """Biases (llama-tied), head norms (qwen3), fused tensors (phi3): every linear is FP8,
     and the prompt's logits stay within FP8's error of the float model's."""
     path = checkpoint_dir(name)
     float_model, fp8_model = _load(path), _load(path, quantization="fp8")
