@@ -277,6 +277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  "so each step mixes the batch's decodes with one prefill")
     model_args = parser.add_argument_group("--mode model")
     model_args.add_argument("--profile", action="store_true", help="print a profile of each decode step")
+    model_args.add_argument("--quantization", choices=("fp8",), default=None,
+                            help="fp8: the linears quantized at load (W8A8 e4m3, _scaled_mm)")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     add_replot_argument(parser)
     args = parser.parse_args(argv)
@@ -306,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from benchmarks.lib.model_step import time_steps
 
-        result["timing"] = time_steps(args.shape, args.batch_list, args.context, args.profile, device)
-        print(f"wrote {write_json(name.replace('decode_', 'decode_model_'), result, args.out)}")
+        result["timing"] = time_steps(args.shape, args.batch_list, args.context, args.profile, device,
+                                      quantization=args.quantization)
+        tag = "decode_model_fp8_" if args.quantization else "decode_model_"
+        print(f"wrote {write_json(name.replace('decode_', tag), result, args.out)}")
         return 0
     if args.mode == "time":
         element = torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()

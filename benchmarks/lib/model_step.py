@@ -80,18 +80,20 @@ def print_profile(step, batch: int) -> None:
 
 
 def time_steps(shape: str, batches: list[int], context: int, profile_steps: bool,
-               device: torch.device) -> dict:
-    """Decode (eager and CUDA graph) and prefill step times of the `shape` model, in ms."""
+               device: torch.device, quantization: str | None = None) -> dict:
+    """Decode (eager and CUDA graph) and prefill step times of the `shape` model, in ms.
+    quantization "fp8": its linears quantized at load (their bytes, and so the floor, halve)."""
     config = model_config(shape)
     t0 = time.perf_counter()
-    model = load_model(config, dtype=torch.bfloat16, device=device, load_format="dummy")
+    model = load_model(config, dtype=torch.bfloat16, device=device, load_format="dummy",
+                       quantization=quantization)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     # A decode step reads every weight once except the embedding table, of which it reads only
     # the batch's rows (counted per batch below as part of the KV/activation bytes: negligible).
     embedding = model.model.embed_tokens.weight
     unread = 0 if model.lm_head.weight is embedding else embedding.numel() * embedding.element_size()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - unread
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) - unread
 
     max_batch = max(batches)
     prefills = ((1, 512), (8, 512))

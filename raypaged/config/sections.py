@@ -33,6 +33,10 @@ class ModelSettings:
                          choices=("auto", "float32", "float16", "bfloat16"))
     load_format: str = setting("auto", "dummy: random weights of the checkpoint's shapes",
                                choices=("auto", "dummy"))
+    quantization: str | None = setting(
+        None, "fp8: quantize a float checkpoint's linear layers to FP8 (e4m3) at load; an FP8 "
+              "checkpoint (compressed-tensors, ModelOpt) is served in FP8 without it",
+        choices=(None, "fp8"))
     seed: int = setting(0, "seeds random weights and unseeded sampling; `generate` also uses it "
                            "as the request's sampling seed")
     device: str = setting("auto", "auto: cuda where there is one", choices=("auto", "cpu", "cuda"))

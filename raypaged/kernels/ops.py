@@ -63,6 +63,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation rows x [M, K] -> (e4m3 [M, K], scales [M, 1] fp32): one scale per row from
+    its amax, or `static_scale` (1 element) for every row (kernels/fp8_quant.py)."""
+    from .fp8_quant import quantize_fp8_triton, quantize_rows_ref
+
+    if backend_for(x) == "triton":
+        return quantize_fp8_triton(x, static_scale)
+    return quantize_rows_ref(x, static_scale)
+
+
+def linear_fp8(x: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+               w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The W8A8 product of x's e4m3 rows xq [T, K] (scales [T, 1]) and an e4m3 weight [N, K]
+    (scales [N]) in x's dtype, through the skinny GEMM where it takes a step of this many rows
+    (the decode steps `linear` gives it; it reads the weight at one byte an element), else None:
+    then the caller's FP8 GEMM (model/quantization/fp8.py) takes it."""
+    if not _skinny_gemm_may_take(x):
+        return None
+    from .gemv import gemv_fp8, launch_config
+
+    config = launch_config(xq, weight)
+    return None if config is None else gemv_fp8(xq, x_scale, weight, w_scale, bias, x.dtype, config)
+
+
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                 rotated_features: int) -> torch.Tensor | None:

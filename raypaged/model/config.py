@@ -68,6 +68,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's dtype, used for load dtype "auto"
+    # config.json's quantization_config as it stands (model/quantization/schemes.py reads it).
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False)
     model_dir: str | None = field(default=None, compare=False)
 
     @classmethod
@@ -163,6 +165,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=dtype if dtype in CHECKPOINT_DTYPES else "float32",
+            quantization_config=_quantization_config(raw),
             model_dir=model_dir,
         )
 
@@ -202,6 +205,13 @@ def _positive_int(raw: dict[str, Any], key: str) -> int:
     value = raw.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ModelConfigError(f"config.json field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    value = raw.get("quantization_config")
+    if value is not None and not isinstance(value, dict):
+        raise ModelConfigError(f"config.json field 'quantization_config' must be an object, got {value!r}")
     return value
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from raypaged.kernels import ops
 
 from .parallel import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from .quantization.base import LinearMethod
 
 
 class TensorSource(Protocol):
@@ -114,12 +115,20 @@ class ColumnParallelLinear(nn.Module):
         rows = sum(s.rows for s in shards)
         self.weight = nn.Parameter(torch.empty(rows, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+        # Set by model/quantization when the weight is quantized: it then computes the product.
+        self.quant: LinearMethod | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.matmul(x, self.weight, self.bias)
         return ops.linear(x, self.weight, self.bias)
 
     def _shard(self, shard: object) -> OutputShard:
         return self.shards[0 if shard is None else cast(int, shard)]  # this class's shard ids: indices
+
+    def output_shard(self, shard: object) -> OutputShard:
+        """Where checkpoint tensor `shard` (index, or "q"/"k"/"v") lands in this rank's rows."""
+        return self._shard(shard)
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:
         rows = self._shard(shard).full_rows
@@ -141,7 +150,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x's product [T, I]: the skinny GEMM applies it as it stores its
         outputs where it takes the product, else a separate kernel does."""
-        activated = ops.linear_silu_mul(x, self.weight, self.bias)
+        if self.quant is not None:
+            activated = self.quant.matmul_silu_mul(x, self.weight, self.bias)
+        else:
+            activated = ops.linear_silu_mul(x, self.weight, self.bias)
         if activated is not None:
             return activated
         return ops.silu_and_mul(self(x))
@@ -192,6 +204,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x's product with q and k rotated by rope (the step's cos/sin [T, D/2]) as the skinny
         GEMM stores them, or None where that kernel does not take the product."""
+        if self.quant is not None:
+            return self.quant.matmul_rope(x, self.weight, self.bias, cos, sin, self.head_dim,
+                                         (self.num_heads + self.num_kv_heads) * self.head_dim)
         return ops.linear_rope(x, self.weight, self.bias, cos, sin, self.head_dim,
                                (self.num_heads + self.num_kv_heads) * self.head_dim)
 
@@ -223,11 +238,18 @@ class RowParallelLinear(nn.Module):
         self.col_start = rank * self.cols
         self.weight = nn.Parameter(torch.empty(output_size, self.cols), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        # Set by model/quantization when the weight is quantized: it then computes the product.
+        self.quant: LinearMethod | None = None
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.matmul(x, self.weight, bias)
+        return ops.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return ops.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(ops.linear(x, self.weight))
+            return self._product(x, self.bias)
+        out = tp_all_reduce(self._product(x, None))
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shape(self, param: str, shard: object = None) -> tuple[int, ...]:

@@ -32,6 +32,9 @@ from .config import ModelConfig
 from .layers import WeightShapeError
 from .llama import CheckpointTarget, LlamaForCausalLM
 from .parallel import get_tp_rank, get_tp_size
+from .quantization.fp8 import check_device
+from .quantization.loading import QuantizationPlan, plan_quantization
+from .quantization.schemes import resolve_quantization
 from .registry import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -95,8 +98,13 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """The decoder for this process's TP rank (see parallel.py), weights loaded, in eval mode."""
+    """The decoder for this process's TP rank (see parallel.py), weights loaded, in eval mode.
+
+    quantization: "fp8" quantizes a float checkpoint's linear layers at load; None serves the
+    checkpoint as stored (an FP8 checkpoint in FP8). model/quantization/schemes.py says which
+    checkpoint formats are read; anything else quantized is an error here."""
     config = model if isinstance(model, ModelConfig) else ModelConfig.from_pretrained(model)
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
@@ -109,13 +117,21 @@ def load_model(
     if load_format == "auto" and config.model_dir is None:
         raise CheckpointError("load_format 'auto' needs a model directory (ModelConfig.model_dir)")
     device = torch.device(device)
+    scheme = resolve_quantization(quantization, config)
+    if scheme is not None:
+        check_device(device)
+        if load_format == "dummy":
+            scheme = scheme.for_dummy_weights()
     with _default_dtype(torch_dtype), torch.device(device):
         decoder = MODEL_REGISTRY[config.architecture](config)
     decoder.eval()
+    plan = None if scheme is None else plan_quantization(decoder, scheme, device)
     if load_format == "dummy":
         stats = load_dummy_weights(decoder, seed=seed, progress=progress)
     else:
-        stats = load_weights(decoder, config.model_dir, progress=progress)  # type: ignore[arg-type]
+        stats = load_weights(decoder, config.model_dir, progress=progress, plan=plan)  # type: ignore[arg-type]
+    if plan is not None:
+        plan.finish()
     logger.info(
         "loaded %s (%s, tp rank %d/%d): %d tensors, %.1f MiB read",
         config.architecture, load_format, get_tp_rank(), get_tp_size(), stats.tensors,
@@ -132,6 +148,7 @@ class SafetensorsSource:
 
     def __init__(self, name: str, handle: object, stats: LoadStats) -> None:
         self.name = name
+        self._handle = handle
         self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
         self.shape = tuple(self._slice.get_shape())
         self._stats = stats
@@ -141,6 +158,8 @@ class SafetensorsSource:
             tensor = self._slice[:, cols.start : cols.stop]
         elif rows is not None:
             tensor = self._slice[rows.start : rows.stop]
+        elif not self.shape:  # a 0-d tensor (a scale) cannot be sliced
+            tensor = self._handle.get_tensor(self.name)  # type: ignore[attr-defined]
         else:
             tensor = self._slice[:]
         self._stats.bytes_read += tensor.numel() * tensor.element_size()
@@ -170,7 +189,8 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     )
 
 
-def _check_names(targets: dict[str, CheckpointTarget], files: dict[str, Path], tied: bool) -> None:
+def _check_names(targets: dict[str, CheckpointTarget], files: dict[str, Path], tied: bool,
+                 ignored_suffixes: tuple[str, ...] = ()) -> None:
     missing = sorted(set(targets) - set(files))
     if missing:
         raise CheckpointError(
@@ -180,7 +200,7 @@ def _check_names(targets: dict[str, CheckpointTarget], files: dict[str, Path], t
     ignorable = {"lm_head.weight"} if tied else set()
     unexpected = sorted(
         name for name in set(files) - set(targets)
-        if name not in ignorable and not name.endswith(_IGNORED_SUFFIXES)
+        if name not in ignorable and not name.endswith(_IGNORED_SUFFIXES + ignored_suffixes)
     )  # fmt: skip
     if unexpected:
         raise CheckpointError(
@@ -190,8 +210,20 @@ def _check_names(targets: dict[str, CheckpointTarget], files: dict[str, Path], t
         )
 
 
-def _check_metadata(targets: dict[str, CheckpointTarget], files: dict[str, Path]) -> None:
-    """Shapes and dtypes of every needed tensor, from the file headers only."""
+def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Equal up to trailing 1s: scales are written [N, 1] or [N], a single one [1] or []."""
+    def strip(shape: tuple[int, ...]) -> tuple[int, ...]:
+        while shape and shape[-1] == 1:
+            shape = shape[:-1]
+        return shape
+
+    return a == b or strip(a) == strip(b)
+
+
+def _check_metadata(targets: dict[str, CheckpointTarget], files: dict[str, Path],
+                    dtypes: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Shapes and dtypes of every needed tensor, from the file headers only. `dtypes`: the
+    safetensors dtypes allowed for a tensor where they are not the float ones (FP8 weights)."""
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in targets:
         by_file[files[name]].append(name)
@@ -200,14 +232,15 @@ def _check_metadata(targets: dict[str, CheckpointTarget], files: dict[str, Path]
             for name in names:
                 piece = f.get_slice(name)
                 dtype = piece.get_dtype()
-                if dtype not in _CHECKPOINT_DTYPES:
+                allowed = (dtypes or {}).get(name, tuple(_CHECKPOINT_DTYPES))
+                if dtype not in allowed:
                     raise CheckpointError(
-                        f"tensor {name!r} has dtype {dtype}; raypaged loads "
-                        f"{', '.join(_CHECKPOINT_DTYPES)} checkpoints"
+                        f"tensor {name!r} has dtype {dtype}; raypaged loads it as "
+                        f"{', '.join(allowed)}"
                     )
                 target = targets[name]
                 expected = target.module.checkpoint_shape(target.param, target.shard)
-                if tuple(piece.get_shape()) != tuple(expected):
+                if not _same_shape(tuple(piece.get_shape()), tuple(expected)):
                     raise CheckpointError(
                         f"tensor {name!r} has shape {tuple(piece.get_shape())}, expected "
                         f"{tuple(expected)} from config.json"
@@ -215,13 +248,18 @@ def _check_metadata(targets: dict[str, CheckpointTarget], files: dict[str, Path]
 
 
 def load_weights(
-    model: LlamaForCausalLM, model_dir: str | Path, *, progress: bool = True
+    model: LlamaForCausalLM, model_dir: str | Path, *, progress: bool = True,
+    plan: QuantizationPlan | None = None,
 ) -> LoadStats:
-    """Fill `model` (built for this TP rank) from the safetensors checkpoint in `model_dir`."""
+    """Fill `model` (built for this TP rank) from the safetensors checkpoint in `model_dir`;
+    with `plan`, also the FP8 scales it adds (the caller runs plan.finish() after)."""
     targets = model.checkpoint_tensors()
+    if plan is not None:
+        targets.update(plan.targets)
     files = checkpoint_files(model_dir)
-    _check_names(targets, files, model.config.tie_word_embeddings)
-    _check_metadata(targets, files)
+    _check_names(targets, files, model.config.tie_word_embeddings,
+                 plan.ignored_suffixes if plan is not None else ())
+    _check_metadata(targets, files, plan.dtypes if plan is not None else None)
 
     stats = LoadStats(files=sorted({p.name for p in files.values()}))
     by_file: dict[Path, list[str]] = defaultdict(list)

@@ -81,11 +81,12 @@ def _group_for_collective() -> dist.ProcessGroup:
     return _state.group
 
 
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over TP ranks (in place when tp > 1; returned unchanged at tp = 1)."""
+def tp_all_reduce(x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum `x` (or reduce it by `op`) over TP ranks (in place when tp > 1; returned unchanged
+    at tp = 1)."""
     if _state.world_size == 1:
         return x
-    dist.all_reduce(x, group=_group_for_collective())
+    dist.all_reduce(x, op=op, group=_group_for_collective())
     return x
 
 

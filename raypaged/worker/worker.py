@@ -83,7 +83,8 @@ class Worker:
     def load_model(self) -> None:
         self.model = load_model(self.model_config, dtype=self.dtype, device=self.device,
                                 load_format=self.config.model_settings.load_format,
-                                seed=self.config.model_settings.seed)
+                                seed=self.config.model_settings.seed,
+                                quantization=self.config.model_settings.quantization)
 
     def bytes_per_block(self) -> int:
         mc = self.model_config

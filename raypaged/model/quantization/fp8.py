@@ -1,0 +1,110 @@
+"""Fp8Linear: W8A8 e4m3 products of a layer's FP8 weight and per-output-channel scales.
+
+Activations are quantized as the checkpoint says: per token from their own amax (dynamic, the
+default and what --quantization fp8 uses), per tensor (dynamic), or with the checkpoint's static
+input_scale. Then:
+
+- on CUDA (FP8 tensor cores, sm_89+): `torch._scaled_mm` with row-wise scales (cuBLASLt FP8),
+  the activation scales [T, 1] and the weight scales [1, N]; it writes bf16, cast to the model's
+  dtype;
+- elsewhere (CPU, CI): the same arithmetic as a reference, the fp8 values widened to fp32,
+  multiplied, and the product scaled by both scales (numerics.scaled_matmul_reference).
+
+Small decode steps on the Triton backend take the skinny GEMM's FP8 variant instead
+(ops.linear_fp8, kernels/gemv.py: the weight read at one byte an element, the same scaled
+arithmetic). Its fused rope / SwiGLU epilogues are chosen by the device's tuned table, which has
+no FP8 entries yet, so FP8 layers run rope and SwiGLU as separate kernels.
+
+Either way the numbers that enter the product are the e4m3 values, so the CPU tests check the
+quantization the GPU runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raypaged.kernels import ops
+
+from .base import LinearMethod
+from .numerics import FP8_DTYPE, quantize_activation, scaled_matmul_reference
+
+ACTIVATION_MODES = ("token", "tensor", "static")
+# FP8 tensor cores: Ada (8.9) and Hopper (9.0) on.
+MIN_CAPABILITY = (8, 9)
+# cuBLASLt's FP8 GEMM needs K and N to be multiples of 16.
+_ALIGNMENT = 16
+
+
+class Fp8UnsupportedError(ValueError):
+    """FP8 cannot run here as asked: a GPU without FP8 tensor cores, or a shape it cannot take."""
+
+
+def check_device(device: torch.device) -> None:
+    """Raise unless `device` runs FP8 GEMMs: CPU runs the reference; CUDA needs sm_89+."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise Fp8UnsupportedError(
+            f"FP8 weights need FP8 tensor cores (compute capability >= 8.9, Ada or Hopper); "
+            f"{name} has {capability[0]}.{capability[1]}. Load the model unquantized instead."
+        )
+
+
+def check_shape(name: str, out_features: int, in_features: int, device: torch.device) -> None:
+    """Raise where cuBLASLt's FP8 GEMM cannot take this rank's weight shape."""
+    if device.type == "cuda" and (out_features % _ALIGNMENT or in_features % _ALIGNMENT):
+        raise Fp8UnsupportedError(
+            f"{name}: FP8 GEMMs need both weight dimensions to be multiples of {_ALIGNMENT}; this "
+            f"rank's shard is [{out_features}, {in_features}]"
+        )
+
+
+class Fp8Linear(LinearMethod):
+    """The product with an e4m3 weight [N, K]: holds its per-output-channel scales
+    `weight_scale` [N] fp32 and, for static activations, `input_scale` [1] fp32."""
+
+    weight_scale: torch.Tensor
+
+    def __init__(self, out_features: int, activation: str = "token",
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if activation not in ACTIVATION_MODES:
+            raise ValueError(f"activation quantization {activation!r}; expected one of {ACTIVATION_MODES}")
+        self.activation = activation
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.input_scale: torch.Tensor | None
+        if activation == "static":
+            self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device))
+        else:
+            self.input_scale = None
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, out_features={self.weight_scale.shape[0]}"
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, K] -> (e4m3 [T, K], scales [T, 1] fp32) as this layer's scheme says."""
+        if self.activation == "tensor":  # one amax over the whole step: the torch ops
+            return quantize_activation(x, per_token=False)
+        return ops.quantize_fp8(x, self.input_scale)
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.dtype != FP8_DTYPE:
+            raise TypeError(f"Fp8Linear needs an {FP8_DTYPE} weight, got {weight.dtype}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, x_scale = self.quantize_input(x2)
+        skinny = ops.linear_fp8(x2, xq, x_scale, weight, self.weight_scale, bias)
+        if skinny is not None:
+            return skinny.reshape(*lead, -1)
+        if x.is_cuda:
+            out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
+                                   out_dtype=torch.bfloat16)
+            if bias is not None:
+                out = out + bias
+        else:
+            out = scaled_matmul_reference(xq, x_scale, weight, self.weight_scale)
+            if bias is not None:
+                out = out + bias.float()
+        return out.to(x.dtype).reshape(*lead, -1)

@@ -1,0 +1,53 @@
+"""FP8 (e4m3) quantization arithmetic: scales, saturating casts, the reference product.
+
+One definition, used by the at-load quantizer, the CPU reference GEMM and the tests, so that
+what the checkpoint tools compute (compressed-tensors: scale = amax / 448, q = x / scale cast to
+e4m3 after clamping to ±448) and what raypaged computes are the same numbers.
+
+The elementary steps (the scale of an amax, the saturating cast, a row's quantization) are
+kernels/fp8_quant.py's, whose Triton kernel computes the same: every cast clamps first, so
+out-of-range values saturate at ±448, never inf or NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raypaged.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows_ref, scale_for, to_fp8
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "dequantize", "per_channel_amax", "quantize_activation",
+           "quantize_weight", "scale_for", "scaled_matmul_reference", "to_fp8"]
+
+
+def per_channel_amax(weight: torch.Tensor) -> torch.Tensor:
+    """|W|'s max of each output row [N, K] -> [N] (fp32). NaN rows stay NaN (not hidden)."""
+    return weight.detach().abs().amax(dim=1).float()
+
+
+def quantize_weight(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (e4m3 [N, K], per-output-channel scales [N] fp32). `amax` [N]: the rows'
+    maxima when they span more than this tensor (a row-parallel shard's full rows)."""
+    scale = scale_for(per_channel_amax(weight) if amax is None else amax)
+    return to_fp8(weight, scale[:, None]), scale
+
+
+def quantize_activation(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                        per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], scales [M, 1] fp32): one scale per token (dynamic), one for
+    the whole tensor (dynamic, per_token=False), or the checkpoint's static scale."""
+    if static_scale is not None or per_token:
+        return quantize_rows_ref(x, static_scale)
+    scale = scale_for(x.detach().abs().amax()).reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return to_fp8(x, scale), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 values times their scales (broadcast), in fp32."""
+    return q.float() * scale
+
+
+def scaled_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
+                            w_scale: torch.Tensor) -> torch.Tensor:
+    """The arithmetic of a row-wise scaled FP8 GEMM, in fp32: (xq · wqᵀ) · x_scale · w_scaleᵀ.
+    xq [M, K], x_scale [M, 1], wq [N, K], w_scale [N] -> [M, N] fp32."""
+    return (xq.float() @ wq.float().t()) * x_scale * w_scale[None, :]
