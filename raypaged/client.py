@@ -7,8 +7,8 @@
         result = client.generate("def fib(n):", max_tokens=32)   # the whole completion
 
 Sampling parameters are keyword arguments named as in SamplingParams (n, max_tokens,
-temperature, top_p, top_k, min_p, stop, stop_token_ids, seed, logprobs, ignore_eos, …), or a
-SamplingParams object. A prompt is text or a list of token ids. Leaving a stream early cancels
+temperature, top_p, top_k, min_p, stop, stop_token_ids, seed, logprobs, ignore_eos, logit_bias,
+prompt_logprobs, …), or a SamplingParams object. A prompt is text or a list of token ids. Leaving a stream early cancels
 the call, which aborts the request on the server. Errors raise RequestError with the status.
 
 A server started with TLS and a token (README: Running on a network safely):
@@ -33,9 +33,9 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
                   pb.FINISH_REASON_ABORT: "abort"}
 _OPTIONAL_FIELDS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "prompt_logprobs")
 _SAMPLING_FIELDS = frozenset(_OPTIONAL_FIELDS + ("stop", "stop_token_ids", "ignore_eos",
-                                                  "structured_output"))
+                                                  "structured_output", "logit_bias"))
 
 
 class RequestError(Exception):
@@ -57,6 +57,9 @@ class CompletionChunk:
     logprobs: list[dict[int, float]] | None  # per token: top tokens and the sampled one
     finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last chunk
     stop_reason: int | str | None
+    # prompt_logprobs, on the sample's first chunk: per prompt token its top tokens and itself;
+    # None for the first (nothing before it scores it), as vLLM's.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Completion:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -113,6 +117,8 @@ def build_request(prompt: str | Sequence[int], params: SamplingParams | None = N
     target.stop.extend([stop] if isinstance(stop, str) else stop)
     target.stop_token_ids.extend(sampling.get("stop_token_ids") or ())
     target.ignore_eos = bool(sampling.get("ignore_eos", False))
+    bias = sampling.get("logit_bias") or {}
+    target.logit_bias.update(dict(bias.items() if isinstance(bias, dict) else bias))
     structured = sampling.get("structured_output")
     if structured is not None:
         target.structured_output.CopyFrom(structured_output_to_proto(structured))
@@ -136,19 +142,23 @@ def chunk_from_proto(message: pb.GenerateResponse) -> StreamChunk:
     outputs = []
     for delta in message.outputs:
         which = delta.WhichOneof("stop_reason")
-        logprobs = None
-        if delta.logprobs:
-            logprobs = [{**{t.token_id: t.logprob for t in lp.top_logprobs}, lp.token_id: lp.logprob}
-                        for lp in delta.logprobs]
+        logprobs = [_logprob_dict(lp) for lp in delta.logprobs] if delta.logprobs else None
+        prompt = None
+        if delta.prompt_logprobs:
+            prompt = [None, *(_logprob_dict(lp) for lp in delta.prompt_logprobs[1:])]
         outputs.append(CompletionChunk(
             index=delta.index, text=delta.text, token_ids=list(delta.token_ids), logprobs=logprobs,
             finish_reason=FINISH_REASONS.get(delta.finish_reason),
-            stop_reason=getattr(delta, which) if which else None))
+            stop_reason=getattr(delta, which) if which else None, prompt_logprobs=prompt))
     usage = None
     if message.HasField("usage"):
         u = message.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
     return StreamChunk(message.request_id, outputs, usage)
+
+
+def _logprob_dict(entry: pb.TokenLogprobs) -> dict[int, float]:
+    return {**{t.token_id: t.logprob for t in entry.top_logprobs}, entry.token_id: entry.logprob}
 
 
 class ResultBuilder:
@@ -167,6 +177,8 @@ class ResultBuilder:
             completion.token_ids.extend(out.token_ids)
             if out.logprobs is not None:
                 completion.logprobs = (completion.logprobs or []) + out.logprobs
+            if out.prompt_logprobs is not None:
+                completion.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason is not None:
                 completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
         if chunk.usage is not None:

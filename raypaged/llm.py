@@ -135,6 +135,8 @@ class LLM:
             return
         if out.num_cached_tokens is not None:  # sent on a request's first and last records only
             result.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:  # every sample's first record: the group's
+            result.prompt_logprobs = [None, *out.prompt_logprobs]
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + list(out.new_logprobs)

@@ -35,8 +35,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="address to listen on (0.0.0.0: every interface; mind who can reach it)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics on this port (0: any free port; default: off)")
-    group.add_argument("--served-model-name", default=None,
-                       help="model name in ModelInfo and metric labels (default: the directory's name)")
+    group.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                       help="the model's name(s): the first in ModelInfo, metric labels and "
+                            "responses; /v1/models lists them all and requests may use any "
+                            "(default: the directory's name)")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds that streams in flight get to finish on SIGINT / SIGTERM")
     group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
@@ -119,7 +121,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
         engine = await AsyncEngineClient.start(config)
         info = engine.model_info
         tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
-        model_name = args.served_model_name or ("demo" if config.model_settings.model is None else None)
+        names = args.served_model_name
+        model_name = names[0] if names else ("demo" if config.model_settings.model is None else None)
         server = FrontendServer(
             engine, tokenizer,
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,

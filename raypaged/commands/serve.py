@@ -75,7 +75,8 @@ def _openai_http(args: argparse.Namespace) -> Callable[[FrontendServer], Awaitab
         from raypaged.serve.standalone_http import HTTPServer, build_http_app
 
         security = args.security
-        front = OpenAIFrontDoor(server.service, server.metrics, parsing=chat_parsing_from_args(args))
+        front = OpenAIFrontDoor(server.service, server.metrics, model_names=args.served_model_name,
+                                parsing=chat_parsing_from_args(args))
         app = build_http_app(front, auth_token=security.auth_token,
                              max_body_bytes=security.max_message_bytes)
         http = HTTPServer(app, args.host, args.http_port, tls=security.tls,

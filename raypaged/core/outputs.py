@@ -101,6 +101,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Per request, per sampled token (None where logprobs were not asked for).
     logprobs: list[list[Logprobs] | None] = field(default_factory=list)
+    # Prompt logprobs the step scored, by request: (index of the first prompt token scored, one
+    # entry per prompt token from there). Only requests that asked and computed prompt tokens.
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -122,6 +125,9 @@ class EngineCoreOutput:
     error: str | None = None  # set when the engine failed the request (finish_reason ABORT)
     # Seconds from being added to being first scheduled; on the request's first output only.
     queue_time_s: float | None = None
+    # SamplingParams.prompt_logprobs: on each sample's first record, one entry per prompt token
+    # after the first (core/prompt_logprobs.py).
+    prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -179,10 +185,16 @@ class EngineCoreOutputs:
 def request_output(request: Request, token_ids: list[int],
                    logprobs: list[Logprobs] | None) -> EngineCoreOutput:
     """A whole record of the request's news: its new tokens, its finish if it finished, and the
-    per-request counts a consumer needs with a first or last record."""
-    return EngineCoreOutput(request.request_id, request.group_id, request.sample_index, token_ids,
-                            logprobs, request.finish_reason, request.stop_reason,
-                            request.num_prompt_tokens, request.num_cached_tokens)
+    per-request counts a consumer needs with a first or last record; the prompt logprobs once
+    they are complete, on the first such record."""
+    record = EngineCoreOutput(request.request_id, request.group_id, request.sample_index, token_ids,
+                              logprobs, request.finish_reason, request.stop_reason,
+                              request.num_prompt_tokens, request.num_cached_tokens)
+    if request.prompt_logprobs is not None and not request.prompt_logprobs_sent \
+            and not request.prompt_logprobs_pending:
+        record.prompt_logprobs = request.prompt_logprobs
+        request.prompt_logprobs_sent = True
+    return record
 
 
 def in_scheduled_order(num_scheduled: dict[str, int], output: ModelRunnerOutput

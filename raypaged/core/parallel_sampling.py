@@ -53,6 +53,8 @@ def new_sample(parent: Request, index: int, token: int, max_model_len: int) -> R
         group_id=group_id, sample_index=index)
     prepare_stop_checks(child, max_model_len)
     child.num_cached_tokens = parent.num_cached_tokens
+    if parent.prompt_logprobs is not None:  # complete: the fork follows the prompt's last chunk
+        child.prompt_logprobs, child.prompt_logprobs_sent = parent.prompt_logprobs, False
     if parent.constraint is not None:
         child.constraint = parent.constraint.fork()
         if not child.constraint.accept(token):

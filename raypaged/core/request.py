@@ -64,12 +64,25 @@ class Request:
     # Structured output: its grammar state, set by the engine once the grammar compiled. Its
     # records are always kept whole (the scheduler advances it with each token).
     constraint: Constraint | None = field(init=False, default=None, repr=False)
+    # SamplingParams.prompt_logprobs: one entry per prompt token after the first, gathered as
+    # the prefill chunks are answered (core/prompt_logprobs.py); None when not asked for.
+    prompt_logprobs: list[dict[int, float]] | None = field(init=False, default=None, repr=False)
+    prompt_logprobs_sent: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.group_id:
             self.group_id = self.request_id
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """It asked for prompt logprobs and some prompt position is not scored yet: it must
+        compute every prompt token (no prefix-cache hit)."""
+        scored = self.prompt_logprobs
+        return scored is not None and len(scored) < len(self.prompt_token_ids) - 1
 
     @property
     def num_prompt_tokens(self) -> int:

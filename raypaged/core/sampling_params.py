@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from raypaged.core.errors import InvalidRequestError
 from raypaged.core.structured_output import StructuredOutput
@@ -30,6 +33,15 @@ class SamplingParams:
     # Constrained decoding: the output must match this (a dict in vLLM's structured_outputs shape
     # is accepted and converted). None: unconstrained, and it costs nothing.
     structured_output: StructuredOutput | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias: each in
+    # [-100, 100]); greedy rows take the argmax of the biased logits. A {token id: bias} mapping
+    # is accepted and stored as sorted (id, bias) pairs; None: no bias, and it costs nothing.
+    # Returned logprobs stay those of the raw model output, as vLLM's.
+    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] | None = None
+    # Logprobs of each prompt token given the ones before it, with this many top alternatives
+    # (vLLM's prompt_logprobs, 0..20). A request that asks for them takes no prefix-cache hit:
+    # every prompt position has to be computed to be scored.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
@@ -37,6 +49,14 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         if isinstance(self.structured_output, dict):
             object.__setattr__(self, "structured_output", StructuredOutput.from_dict(self.structured_output))
+        bias = self.logit_bias
+        if bias is not None:
+            pairs = bias.items() if isinstance(bias, Mapping) else bias
+            try:
+                normalized = tuple(sorted((token_id, bias) for token_id, bias in pairs))
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias must map token ids to numbers") from None
+            object.__setattr__(self, "logit_bias", normalized or None)
         self.validate()
 
     @property
@@ -71,12 +91,35 @@ class SamplingParams:
              f"logprobs must be in [0, 20], got {self.logprobs!r}"),
             (self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
              "structured_output must be a StructuredOutput"),
+            (self.prompt_logprobs is None
+             or (type(self.prompt_logprobs) is int and 0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
         if any(v != v for v in (self.temperature, self.top_p, self.min_p)):  # NaN
             raise InvalidRequestError("sampling parameters must not be NaN")
+        for token_id, bias in self.logit_bias_pairs:
+            if type(token_id) is not int or token_id < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), "
+                                          f"got {token_id!r}")
+            number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if not number or not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise InvalidRequestError(f"logit_bias[{token_id}] must be a number in [-100, 100], "
+                                          f"got {bias!r}")
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """The (token id, bias) pairs, sorted by token id; () without a bias."""
+        return cast(tuple[tuple[int, float], ...], self.logit_bias or ())
+
+    def check_logit_bias(self, vocab_size: int) -> None:
+        """Every token id logit_bias names lies in the vocabulary (the sampler indexes by them)."""
+        bad = [t for t, _ in self.logit_bias_pairs if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias holds token id {bad[0]}, which is not a token id "
+                                      f"of this model (0 to {vocab_size - 1})")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of an n > 1 request after it forks: one sample each,

@@ -49,6 +49,7 @@ from raypaged.core.outputs import (
     request_output,
 )
 from raypaged.core.parallel_sampling import end_records, new_sample, requests_named
+from raypaged.core.prompt_logprobs import take_prompt_logprobs
 from raypaged.core.request import (
     PLACEHOLDER_TOKEN_ID,
     FinishReason,
@@ -299,7 +300,9 @@ class Scheduler:
                     budget += self._preempt(waiting.preemption_victim(running), out)
                     continue
                 break
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            # Prompt logprobs still to score: every prompt position is computed (no hit).
+            hit_blocks, num_hit_tokens = (([], 0) if request.prompt_logprobs_pending
+                                          else kv.get_computed_blocks(request))
             num_new = len(request.all_token_ids) - num_hit_tokens
             if num_new > budget:
                 if not config.enable_chunked_prefill:
@@ -403,6 +406,8 @@ class Scheduler:
         num_scheduled = scheduler_output.num_scheduled_tokens
         scheduled, ends = self._take_answered(scheduler_output)
         sampled_token_ids, logprobs = in_scheduled_order(num_scheduled, model_runner_output)
+        if model_runner_output.prompt_logprobs:
+            take_prompt_logprobs(self.requests, model_runner_output.prompt_logprobs)
         cache_blocks = self.kv_cache_manager.cache_blocks
         block_size = self.config.block_size
         max_model_len = self.config.max_model_len

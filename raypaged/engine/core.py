@@ -124,6 +124,7 @@ class EngineCore:
                     stop_token_ids=request.sampling_params.stop_token_ids + extra)
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        request.sampling_params.check_logit_bias(self.model_config.vocab_size)
         spec = request.sampling_params.structured_output
         if spec is not None:
             structured = self._structured_outputs()

@@ -30,6 +30,7 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 300  # OpenAI's limit on logit_bias entries
     max_request_id_chars: int = 128
     max_cache_salt_chars: int = 256
     # A text prompt is refused before tokenizing when it has more characters than this many per
@@ -71,7 +72,8 @@ def sampling_params_from_proto(message: pb.SamplingParams, num_prompt_tokens: in
                                limits: RequestLimits = RequestLimits()) -> SamplingParams:
     values: dict[str, Any] = {}
     for field in ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
-                  "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs"):
+                  "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+                  "prompt_logprobs"):
         if message.HasField(field):
             values[field] = getattr(message, field)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -102,8 +104,14 @@ def sampling_params_from_proto(message: pb.SamplingParams, num_prompt_tokens: in
     _check(len(stop_ids) <= limits.max_stop_token_ids,
            f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(stop_ids)}")
     _check_token_ids("stop_token_ids", stop_ids, model.vocab_size)
-    # SamplingParams checks the rest (ranges, min_tokens <= max_tokens, logprobs <= 20) with
-    # messages of its own.
+    bias = dict(message.logit_bias)
+    _check(len(bias) <= limits.max_logit_bias,
+           f"logit_bias has {len(bias)} entries; the limit is {limits.max_logit_bias}")
+    _check_token_ids("logit_bias", sorted(bias), model.vocab_size, keys=True)
+    if bias:
+        values["logit_bias"] = bias
+    # SamplingParams checks the rest (ranges, min_tokens <= max_tokens, logprobs <= 20, biases in
+    # [-100, 100]) with messages of its own.
     if message.HasField("structured_output"):
         values["structured_output"] = structured_output_from_proto(message.structured_output)
     return SamplingParams(**values, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
@@ -158,10 +166,12 @@ def _prompt_token_ids(message: pb.GenerateRequest, tokenizer: Any, model: ModelL
     return ids
 
 
-def _check_token_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+def _check_token_ids(name: str, ids: Sequence[int], vocab_size: int, keys: bool = False) -> None:
+    """keys: the ids are a map's keys, named as such in the message."""
     for i, token_id in enumerate(ids):
+        where = f"{name} key {token_id}" if keys else f"{name}[{i}] = {token_id}"
         _check(0 <= token_id < vocab_size,
-               f"{name}[{i}] = {token_id} is not a token id of this model (0 to {vocab_size - 1})")
+               f"{where} is not a token id of this model (0 to {vocab_size - 1})")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -35,7 +35,14 @@ class AutoscalingArgs:
 @dataclass
 class ServeAppArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    served_model_name: str | None = None  # None: the model directory's name ("demo" for the demo)
+    # None: the model directory's name ("demo" for the demo); several: the first is the model's
+    # name, /v1/models lists them all and requests may name any (vLLM's --served-model-name).
+    served_model_name: str | list[str] | None = None
+
+    @property
+    def served_model_names(self) -> list[str]:
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names or [])
     deployment_name: str = "raypaged"
     num_replicas: int | None = 1  # None with autoscaling set
     autoscaling: AutoscalingArgs | None = None
@@ -93,6 +100,9 @@ class ServeAppArgs:
             (self.max_ongoing_requests >= 1, "max_ongoing_requests must be >= 1"),
             (self.replica_num_cpus >= 0, "replica_num_cpus must be >= 0"),
             (self.stats_interval_s > 0, "stats_interval_s must be > 0"),
+            (self.served_model_name is None or (bool(self.served_model_names) and all(
+                isinstance(n, str) and n for n in self.served_model_names)),
+             "served_model_name must be a name or a non-empty list of non-empty names"),
         ]
         scaling = self.autoscaling
         if scaling is not None:

@@ -49,14 +49,16 @@ class RaypagedDeployment:
         self.engine = await AsyncEngineClient.start(config)
         info = self.engine.model_info
         tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
-        model_name = args.served_model_name or ("demo" if config.model_settings.model is None else None)
+        names = args.served_model_names
+        model_name = names[0] if names else ("demo" if config.model_settings.model is None else None)
         self.service = GenerationService(self.engine, tokenizer, model_name=model_name, limits=args.limits)
         self.replica_id = serve.get_replica_context().replica_tag
         self._headers = {"x-raypaged-replica": self.replica_id}  # which replica answered
         self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
-        self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers, parsing=args.chat_parsing)
+        self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers, model_names=names,
+                                      parsing=args.chat_parsing)
         self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
         logger.info("raypaged replica %s ready: %s (%d KV blocks of %d, tp %d)", self.replica_id,
                     self.service.model_name, info["num_blocks"], info["block_size"],

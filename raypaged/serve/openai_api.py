@@ -10,7 +10,7 @@ own. Errors leave as OpenAIError, which `install_error_handlers` answers in Open
 # No `from __future__ import annotations`: the route methods' body models must be real classes.
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,8 +41,9 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """OpenAIError, FastAPI's body validation errors (422 → 400) and unknown routes / methods
-    (404 / 405) all answered as `{"error": {...}}`."""
+    """OpenAIError, FastAPI's body validation errors (422 → 400), unknown routes / methods
+    (404 / 405) and anything unexpected (500, the exception still logged by the server) all
+    answered as `{"error": {...}}`."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -57,6 +58,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return await _openai_error(request, OpenAIError(error.status_code, str(error.detail),
                                                         headers=dict(error.headers or {}) or None))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        return await _openai_error(request, OpenAIError.from_exception(error))
+
 
 def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
@@ -66,26 +71,35 @@ def sse(payload: dict[str, Any] | str) -> str:
 class OpenAIFrontDoor:
     """/v1/models, /health, /v1/completions and /v1/chat/completions over one service.
 
-    headers: added to every answer (Serve names the replica that answered). parsing: the tool-call
-    and reasoning parsers chat answers are read with (serve/chat_tools.py). The engine is read
-    from the service each time, so an engine the supervisor swapped in is the one described."""
+    headers: added to every answer (Serve names the replica that answered). model_names: the
+    names it answers to (vLLM's --served-model-name, several allowed); default the service's
+    model name. A request naming another model is a 404; a response names the model as the
+    request did (the first name when it did not). parsing: the tool-call and reasoning parsers
+    chat answers are read with (serve/chat_tools.py). The engine is read from the service each
+    time, so an engine the supervisor swapped in is the one described."""
 
     def __init__(self, service: GenerationService, metrics: FrontendMetrics,
-                 headers: dict[str, str] | None = None, parsing: ChatParsing | None = None) -> None:
+                 headers: dict[str, str] | None = None, model_names: Sequence[str] | None = None,
+                 parsing: ChatParsing | None = None) -> None:
         self.service = service
         self.metrics = metrics
         self.headers = headers or {}
+        self._model_names = tuple(model_names or ())
         self.parsing = parsing or ChatParsing()
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        return self._model_names or (self.service.model_name,)
+
+    @property
     def model_name(self) -> str:
-        return self.service.model_name
+        return self.model_names[0]
 
     async def models(self) -> dict[str, Any]:
         info = self.service.engine.model_info
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "raypaged",
-            "root": info["model_dir"], "max_model_len": info["max_model_len"]}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "raypaged",
+            "root": info["model_dir"], "max_model_len": info["max_model_len"]} for name in self.model_names]}
 
     async def health(self) -> JSONResponse:
         alive = self.service.engine.is_alive and self.service.accepting
@@ -117,21 +131,24 @@ class OpenAIFrontDoor:
 
     async def _respond(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                        build: Callable[[], tuple[pb.GenerateRequest, ParserFactory | None]]) -> Any:
-        if body.model is not None and body.model != self.model_name:
-            raise self.refused(model_not_found(body.model, self.model_name))
+        if body.model is not None and body.model not in self.model_names:
+            raise self.refused(model_not_found(body.model, self.model_names))
         try:
             message, parser_factory = build()
         except Exception as e:
             raise self.refused(e) from None
         params = message.sampling_params
         logprobs = bool(body.logprobs) if chat else body.logprobs is not None
-        echo = None
-        if isinstance(body, CompletionRequest) and body.echo:
+        echo, completion = None, body if isinstance(body, CompletionRequest) else None
+        if completion is not None and completion.echo:
             echo = message.prompt or self.service.tokenizer.decode(list(message.prompt_token_ids))
-        builder = ResponseBuilder(chat=chat, request_id=message.request_id, model=self.model_name,
-                                  tokenizer=self.service.tokenizer, n=params.n if params.HasField("n") else 1,
-                                  logprobs=logprobs, include_usage=body.include_usage, echo=echo,
-                                  chat_parser=parser_factory)
+        builder = ResponseBuilder(
+            chat=chat, request_id=message.request_id, model=body.model or self.model_name,
+            tokenizer=self.service.tokenizer, n=params.n if params.HasField("n") else 1,
+            logprobs=logprobs, include_usage=body.include_usage, echo=echo,
+            num_logprobs=completion.logprobs if completion is not None else None,
+            echo_logprobs=completion is not None and completion.echo_logprobs,
+            prompt_logprobs=body.prompt_logprobs, chat_parser=parser_factory)
         stream = self.service.generate(message)
         # Pull the first message before answering: a refused request (validation, full queue,
         # engine gone) then gets its HTTP status, not a 200 stream that carries an error.

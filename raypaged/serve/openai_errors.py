@@ -7,6 +7,7 @@ INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +62,9 @@ class OpenAIError(Exception):
         return cls(HTTP_STATUS.get(code, 500), message, grpc_code=code)
 
 
-def model_not_found(requested: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
+def model_not_found(requested: str, served: str | Sequence[str]) -> OpenAIError:
+    names = ", ".join(f"`{name}`" for name in ([served] if isinstance(served, str) else served))
+    return OpenAIError(404, f"The model `{requested}` does not exist; this server serves {names}.",
                        param="model", code="model_not_found", grpc_code=grpc.StatusCode.NOT_FOUND)
 
 

@@ -4,9 +4,11 @@ Field names and defaults are OpenAI's, plus vLLM's extensions (top_k, min_p, rep
 min_tokens, stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_salt,
 structured_outputs). Structured output is OpenAI's `response_format` (json_object, json_schema) or
 vLLM's `structured_outputs` (json, json_object, regex, choice, grammar): both become the message's
-SamplingParams.structured_output. Unknown fields are ignored as OpenAI's server ignores them, but
-features raypaged does not implement (suffix, logit_bias, best_of > n, echo with logprobs, functions)
-are refused rather than silently dropped; `user` is accepted and unused. Range checks on sampling values stay in one
+SamplingParams.structured_output. `logit_bias` maps token ids (as strings, OpenAI's shape) to
+biases in [-100, 100]; both take vLLM's `prompt_logprobs`, and completions `echo` with `logprobs`
+(the prompt scored too). Unknown fields are ignored as OpenAI's server ignores them, but features
+raypaged does not implement (suffix, best_of > n, functions) are refused rather than silently
+dropped; `user` is accepted and unused. Range checks on sampling values stay in one
 place: frontend/validation.py, reached through the GenerateRequest built here.
 
 Types are strict, as OpenAI's API is: `"stream": "yes"`, `"max_tokens": "10"` or `"n": true` are
@@ -80,6 +82,7 @@ class OpenAIRequest(BaseModel):
     priority: Int32 = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    prompt_logprobs: Int32 | None = None  # vLLM's: score the prompt, with this many top tokens
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -88,12 +91,7 @@ class OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported")
-
     def _generate_request(self, max_tokens: int | None, logprobs: int | None) -> pb.GenerateRequest:
-        self._refuse_unsupported()
         params = pb.SamplingParams()
         values = dict(n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -107,6 +105,10 @@ class OpenAIRequest(BaseModel):
         params.stop.extend(stop)
         params.stop_token_ids.extend(self.stop_token_ids or [])
         params.ignore_eos = self.ignore_eos
+        for key, bias in (self.logit_bias or {}).items():
+            params.logit_bias[_token_id_key(key)] = bias
+        if self.prompt_logprobs is not None:
+            params.prompt_logprobs = self.prompt_logprobs
         structured = self._structured_output()
         if structured is not None:
             params.structured_output.CopyFrom(structured)
@@ -131,6 +133,17 @@ class OpenAIRequest(BaseModel):
         # checks it; whether xgrammar accepts the spec, the engine checks when it takes it.
         structured_output_from_proto(message)
         return message
+
+
+def _token_id_key(key: str) -> int:
+    """A logit_bias key: a token id written as a decimal string (JSON keys are strings)."""
+    text = key.strip()
+    if not text.lstrip("-").isdigit():
+        raise InvalidRequestError(f"logit_bias keys must be token ids (integers), got {key!r}")
+    token_id = int(text)
+    if not 0 <= token_id < 2**31:
+        raise InvalidRequestError(f"logit_bias key {key} is not a token id of this model")
+    return token_id
 
 
 def _from_response_format(fmt: dict[str, Any]) -> pb.StructuredOutput:
@@ -190,15 +203,26 @@ class CompletionRequest(OpenAIRequest):
     suffix: str | None = None
     best_of: Int32 | None = None
 
+    @property
+    def echo_logprobs(self) -> bool:
+        """OpenAI's echo with logprobs: the prompt's tokens lead the logprobs, scored too."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def scored_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine computes: as asked, or enough for echo's logprobs."""
+        if self.echo_logprobs:
+            return max(self.prompt_logprobs or 0, self.logprobs or 0)
+        return self.prompt_logprobs
+
     def to_generate_request(self) -> pb.GenerateRequest:
-        if self.echo and self.logprobs is not None:
-            # OpenAI's echo then scores the prompt too: prompt logprobs the engine does not compute.
-            raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs)")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise InvalidRequestError("best_of is not supported (other than best_of == n)")
         message = self._generate_request(self.max_tokens, self.logprobs)
+        if self.scored_prompt_logprobs is not None:
+            message.sampling_params.prompt_logprobs = self.scored_prompt_logprobs
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:

@@ -5,7 +5,11 @@ carries text, logprobs or a finish reason) and the stream's last chunk carries t
 OpenAI-style `choices: []` usage chunk when the client asked for stream_options.include_usage,
 otherwise the usage rides on the chunk that finishes the last sample. Non-streaming: the deltas
 are accumulated into one response. `echo` (completions): the prompt's text, put before each
-choice's text (streaming: in the choice's first chunk). Chat choices with a parser (tools,
+choice's text (streaming: in the choice's first chunk); with logprobs, the prompt's tokens lead
+the choice's logprobs (the first one unscored: null), as OpenAI answers. vLLM's prompt_logprobs:
+[null, {token id: {logprob, rank, decoded_token}}, …], on each completion choice (and its first
+chunk), or on the chat response (and its first chunk), where vLLM puts them. The prompt's
+scores ride on each sample's first delta (raypaged.v1). Chat choices with a parser (tools,
 reasoning: serve/chat_output.py) carry reasoning_content and tool_calls beside the content.
 """
 
@@ -60,8 +64,12 @@ class ResponseBuilder:
 
     def __init__(self, *, chat: bool, request_id: str, model: str, tokenizer: Any, n: int,
                  logprobs: bool, include_usage: bool, echo: str | None = None,
+                 num_logprobs: int | None = None, echo_logprobs: bool = False,
+                 prompt_logprobs: int | None = None,
                  chat_parser: Callable[[], ChatChoiceParser] | None = None) -> None:
-        """chat_parser: makes each chat choice's parser; None: the text is the content."""
+        """num_logprobs: the top logprobs asked per token (completions: echo's prompt entries
+        are cut to it); echo_logprobs: echo with logprobs; prompt_logprobs: vLLM's, as asked;
+        chat_parser: makes each chat choice's parser (None: the text is the content)."""
         self.chat = chat
         self.parsers = [chat_parser() for _ in range(n)] if chat and chat_parser is not None else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -76,6 +84,11 @@ class ResponseBuilder:
         self.echo = echo
         self._echo_sent = [echo is None] * n
         self._streamed_chars = [0] * n  # completion logprobs' text_offset runs on across chunks
+        self.num_logprobs = num_logprobs
+        self.echo_logprobs = echo_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_entries: list[pb.TokenLogprobs] = []  # the prompt's scores, once they arrive
+        self._prompt_sent = False  # chat streams: the prompt's scores went out on a chunk
 
     # ---- streaming -----------------------------------------------------------------------------
     def chunks(self, message: pb.GenerateResponse) -> list[dict[str, Any]]:
@@ -84,6 +97,10 @@ class ResponseBuilder:
             choice = self._chunk_choice(delta)
             if choice is not None:
                 chunks.append(self._envelope([choice]))
+                if self.chat and self.prompt_logprobs is not None and delta.prompt_logprobs \
+                        and not self._prompt_sent:  # chat: the response's, on its first chunk
+                    chunks[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(list(delta.prompt_logprobs))
+                    self._prompt_sent = True
         if message.HasField("usage"):
             self.usage = usage_dict(message.usage)
             if self.include_usage:
@@ -107,13 +124,18 @@ class ResponseBuilder:
             if finish is not None:
                 parsed.extend(parser.finish())
                 finish = parser.finish_reason(finish)
-        if (not text if parsed is None else not parsed) and finish is None and not (self.logprobs and delta.logprobs):
+        prompt = list(delta.prompt_logprobs)
+        if (not text if parsed is None else not parsed) and finish is None \
+                and not (self.logprobs and delta.logprobs) and not prompt:
             return None  # held-back text (split UTF-8, a possible stop string): nothing to send yet
         logprobs = None
         if self.logprobs:
-            logprobs = self._logprobs(delta.logprobs, self._streamed_chars[delta.index])
-        self._streamed_chars[delta.index] += len(delta.text)
+            entries = (prompt if self.echo_logprobs else []) + list(delta.logprobs)
+            logprobs = self._logprobs(entries, self._streamed_chars[delta.index])
+        self._streamed_chars[delta.index] += len(text)  # the echoed prompt included
         choice: dict[str, Any] = {"index": delta.index, "logprobs": logprobs, "finish_reason": finish}
+        if self.prompt_logprobs is not None and prompt and not self.chat:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
         if finish is not None:
             choice["stop_reason"] = _stop_reason(delta)
         if self.chat:
@@ -141,6 +163,8 @@ class ResponseBuilder:
             choice.text.append(delta.text)
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs and not self.prompt_entries:
+                self.prompt_entries = list(delta.prompt_logprobs)
             finish = FINISH_REASONS.get(delta.finish_reason)
             if finish is not None:
                 choice.finish_reason = finish
@@ -152,9 +176,14 @@ class ResponseBuilder:
         choices = []
         for index, choice in enumerate(self.choices):
             text = (self.echo or "") + "".join(choice.text)
-            logprobs = self._logprobs(choice.logprobs, 0) if self.logprobs else None
+            logprobs = None
+            if self.logprobs:
+                entries = (self.prompt_entries if self.echo_logprobs else []) + choice.logprobs
+                logprobs = self._logprobs(entries, 0)
             entry: dict[str, Any] = {"index": index, "logprobs": logprobs,
                                      "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+            if self.prompt_logprobs is not None and not self.chat:
+                entry["prompt_logprobs"] = self._vllm_prompt_logprobs(self.prompt_entries)
             if self.chat and self.parsers is not None:
                 parser = self.parsers[index]
                 entry["message"] = parser.message(text)
@@ -164,8 +193,12 @@ class ResponseBuilder:
             else:
                 entry["text"] = text
             choices.append(entry)
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage}
+        response: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                                    "created": self.created, "model": self.model, "choices": choices,
+                                    "usage": self.usage}
+        if self.chat and self.prompt_logprobs is not None:  # vLLM's place for chat: the response's
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(self.prompt_entries)
+        return response
 
     # ---- logprobs ------------------------------------------------------------------------------
     def _token(self, token_id: int) -> str:
@@ -182,13 +215,36 @@ class ResponseBuilder:
                                 "bytes": list(token.encode()), "top_logprobs": top})
             return {"content": content}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        k = self.num_logprobs
         for entry in entries:
             token = self._token(entry.token_id)
             tokens.append(token)
             token_logprobs.append(_finite(entry.logprob))
-            top_logprobs.append({self._token(top.token_id): _finite(top.logprob)
-                                 for top in entry.top_logprobs})
+            # The prompt's first token, which nothing scores: null, as OpenAI's echo answers it.
+            unscored = math.isnan(entry.logprob)
+            alternatives: dict[str, float | None] = {}
+            for alternative in entry.top_logprobs[:k]:  # likeliest first: it keeps a shared key
+                alternatives.setdefault(self._token(alternative.token_id), _finite(alternative.logprob))
+            top_logprobs.append(None if unscored else alternatives)
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self, entries: list[pb.TokenLogprobs]) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} over the token and the top-k (rank: its place among them; null for
+        a prompt token outside the top-k, whose rank is not computed)."""
+        result: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if math.isnan(entry.logprob):
+                result.append(None)
+                continue
+            top = list(entry.top_logprobs[: self.prompt_logprobs])
+            scored = {str(t.token_id): {"logprob": _finite(t.logprob), "rank": rank,
+                                        "decoded_token": self._token(t.token_id)}
+                      for rank, t in enumerate(top, start=1)}
+            scored.setdefault(str(entry.token_id), {"logprob": _finite(entry.logprob), "rank": None,
+                                                    "decoded_token": self._token(entry.token_id)})
+            result.append(scored)
+        return result

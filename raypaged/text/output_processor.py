@@ -84,6 +84,8 @@ class RequestOutputProcessor:
         delta = pb.CompletionDelta(index=out.sample_index, token_ids=new_ids)
         if out.new_logprobs is not None:
             delta.logprobs.extend(self._logprobs(new_ids, out.new_logprobs))
+        if out.prompt_logprobs is not None:
+            delta.prompt_logprobs.extend(self._prompt_logprobs(out.prompt_logprobs))
 
         text = sample.detokenizer.push(new_ids) if new_ids else ""
         if out.finished:
@@ -112,10 +114,19 @@ class RequestOutputProcessor:
         self.progress.end(delta.index)
         return ProcessedOutput(delta, num_new_tokens, reason.value)
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[Logprobs]) -> list[pb.TokenLogprobs]:
+    def _prompt_logprobs(self, logprobs: list[Logprobs]) -> list[pb.TokenLogprobs]:
+        """One per prompt token; the first, which nothing scores, with a NaN logprob."""
+        prompt = self.request.prompt_token_ids
+        first = pb.TokenLogprobs(token_id=prompt[0], logprob=float("nan"))
+        k = self.request.sampling_params.prompt_logprobs or 0
+        return [first] + self._logprobs(prompt[1:], logprobs, k)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[Logprobs],
+                  k: int | None = None) -> list[pb.TokenLogprobs]:
         """Each position's dict holds the sampled token and the top-k; top_logprobs are the k
-        likeliest (the sampled token only where it is among them)."""
-        k = self._num_logprobs or 0
+        likeliest (the sampled token only where it is among them). k: the request's logprobs
+        unless given."""
+        k = (self._num_logprobs or 0) if k is None else k
         result = []
         for token_id, position in zip(token_ids, logprobs):
             top = sorted(position.items(), key=lambda item: -item[1])[:k]

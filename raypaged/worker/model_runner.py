@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.core.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from raypaged.core.request import PLACEHOLDER_TOKEN_ID
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.kernels import ops
@@ -34,6 +34,7 @@ from raypaged.worker.async_output import InFlightTokens, add_sampled_tokens
 from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
+from raypaged.worker.prompt_logprobs import score_prompts
 from raypaged.worker.sampler import Sampler, SamplingMetadata
 from raypaged.worker.sampling_metadata import needs_token_history
 
@@ -72,6 +73,9 @@ class StepInputs:
     sample_indices: list[int]  # per sampled row: which of the request's n samples
     # Asynchronous scheduling: (index in input_ids, request id) of each placeholder input.
     placeholders: list[tuple[int, str]]
+    counts: list[int]  # tokens of each of `states` in the step
+    # Set after the forward: the prompt positions this step scored (worker/prompt_logprobs.py).
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
 
 
 class ModelRunner:
@@ -91,6 +95,7 @@ class ModelRunner:
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.async_output = async_output
         self.in_flight = InFlightTokens(device)  # async_output: the step not answered yet
+        self._scoring: set[str] = set()  # requests held that asked for prompt logprobs
         # A grammar_deferred step's inputs and logits, sampled when the next call brings its masks.
         self._deferred: tuple[StepInputs, torch.Tensor | None] | None = None
 
@@ -117,6 +122,7 @@ class ModelRunner:
         self.piecewise_graphs = None
         self.kv_caches.clear()
         self.requests.clear()
+        self._scoring.clear()
         self.in_flight.clear()
         self._deferred = None
 
@@ -126,7 +132,10 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.block_table.free_row(state.row)
+            self._scoring.discard(req_id)
         for new in out.scheduled_new_reqs:
+            if new.sampling_params.prompt_logprobs is not None:
+                self._scoring.add(new.req_id)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
@@ -230,7 +239,7 @@ class ModelRunner:
             max_query_len=max(counts),
         )
         return StepInputs(states, ids_t, _to_device(positions, dev), metadata, rows_t,
-                          row_states, sample_indices, placeholders)
+                          row_states, sample_indices, placeholders, counts)
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -257,6 +266,9 @@ class ModelRunner:
                 hidden = self.piecewise_graphs.run(step.input_ids, step.positions, step.metadata)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        if self._scoring and any(s.req_id in self._scoring for s in step.states):
+            step.prompt_logprobs = score_prompts(self.model, hidden, step.states, step.counts,
+                                                 self.is_driver)
         row_states = step.row_states
         logits = None
         if row_states:
@@ -296,6 +308,7 @@ class ModelRunner:
             req_ids=[s.req_id for s in states],
             sampled_token_ids=[[] for _ in states],
             logprobs=[None for _ in states],
+            prompt_logprobs=step.prompt_logprobs or {},
         ) if self.is_driver else None
         if logits is None:  # prefill chunks only: nothing to sample
             if not sync:

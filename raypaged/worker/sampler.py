@@ -1,9 +1,10 @@
 """The batched sampler: one step's logits [S, V] -> one token per row (+ logprobs), on device.
 
 Order of operations, as in vLLM v1:
-  1. logprobs of the RAW model output (log_softmax before penalties or temperature), which is
-     what vLLM v1 returns by default (logprobs_mode="raw_logprobs");
-  2. float32; penalties: repetition (prompt + output tokens: positive logits divided, negative
+  1. logprobs of the RAW model output (log_softmax before logit_bias, penalties or temperature),
+     which is what vLLM v1 returns by default (logprobs_mode="raw_logprobs");
+  2. float32; logit_bias (a sparse add over the rows that have one; skipped when none does);
+     penalties: repetition (prompt + output tokens: positive logits divided, negative
      multiplied), then frequency and presence (output tokens only, OpenAI semantics);
   3. greedy rows (temperature < 1e-5): argmax of those logits — the raw logits' argmax when no
      penalty applies, so greedy output is token-identical to transformers;
@@ -28,7 +29,7 @@ from raypaged.core.outputs import Logprobs
 from raypaged.worker.sampling_metadata import SamplingMetadata
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "processed_logits", "apply_penalties",
-           "apply_sampling_filters", "apply_min_p", "apply_top_k_top_p", "compute_logprobs_outputs"]
+           "apply_sampling_filters", "apply_logit_bias", "apply_min_p", "apply_top_k_top_p", "compute_logprobs_outputs"]
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Sampler(nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logits = apply_logit_bias(logits, metadata)
 
         if metadata.all_greedy and not metadata.has_penalties:
             sampled = logits.argmax(dim=-1)  # the fast path: one kernel, no float32 copy
@@ -114,7 +116,7 @@ def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     top-p, filtered tokens at -inf (greedy rows: penalized only). A new tensor; `logits` is not
     modified. The Sampler computes exactly this; it is exposed for tests and debugging."""
     _check_logits(logits, metadata)
-    logits = apply_penalties(logits.float(), metadata)
+    logits = apply_penalties(apply_logit_bias(logits, metadata).float(), metadata)
     return logits.clone() if metadata.all_greedy else apply_sampling_filters(logits, metadata)
 
 
@@ -127,6 +129,17 @@ def apply_sampling_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> 
     if metadata.top_k is not None or metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """A new float32 tensor with each row's logit_bias added (one index_add over the batch's
+    (row, token) pairs), or `logits` itself when no row has a bias. A token the grammar mask
+    ruled out (-inf) stays out: a finite bias cannot bring it back."""
+    if metadata.logit_bias_index is None:
+        return logits
+    flat = logits.float().reshape(-1)
+    return flat.index_add(0, metadata.logit_bias_index,
+                          cast(torch.Tensor, metadata.logit_bias_values)).view(logits.shape)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

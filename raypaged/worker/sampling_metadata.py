@@ -85,6 +85,10 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, as asked
     max_num_logprobs: int | None = None
+    # logit_bias, sparse: flat indices row * V + token id [B] int64 and the biases [B] float32,
+    # over the rows that have one. None when no row does: the sampler then launches nothing.
+    logit_bias_index: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -156,6 +160,9 @@ class SamplingMetadata:
                     [t if _needs_repetition(p) else () for p, t in zip(params, prompt_token_ids)],
                     vocab_size, device, "prompt_token_ids")
 
+        if any(p.logit_bias is not None for p in params):
+            md._set_logit_bias(params)
+
         if num_output_tokens is None:
             num_output_tokens = [len(o) for o in output_token_ids]
         for row, (p, g, index, num_outputs) in enumerate(zip(params, greedy, sample_indices, num_output_tokens)):
@@ -166,6 +173,15 @@ class SamplingMetadata:
             generator.manual_seed(row_generator_seed(seed, num_outputs))
             md.generators[row] = generator
         return md
+
+    def _set_logit_bias(self, params: Sequence[SamplingParams]) -> None:
+        pairs = [p.logit_bias_pairs for p in params]
+        self.logit_bias_index = _flat_token_indices([[t for t, _ in row] for row in pairs],
+                                                    self.vocab_size, self.device, "logit_bias")
+        values = torch.tensor([b for row in pairs for _, b in row], dtype=torch.float32)
+        if self.device.type == "cuda":
+            values = values.pin_memory()
+        self.logit_bias_values = values.to(self.device, non_blocking=True)
 
     def _set_columns(self, columns: dict[str, list[float]]) -> None:
         if not columns:

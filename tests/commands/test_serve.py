@@ -110,8 +110,8 @@ def test_errors_in_openais_shape(served):
         api(served).completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
     assert missing.value.body["type"] == "invalid_request_error" and missing.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        api(served).completions.create(model="demo", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
-    assert "echo with logprobs" in bad.value.body["message"]
+        api(served).completions.create(model="demo", prompt=PROMPT, max_tokens=2, suffix="x")
+    assert "suffix" in bad.value.body["message"]
 
 
 def test_tool_calls_named_enforced_and_auto_parsed(served):

@@ -146,7 +146,7 @@ def test_chat_response_validates(service):
 
 @pytest.mark.parametrize("path, body, status, kind", [
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "invalid_request_error"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "invalid_request_error"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, 400, "invalid_request_error"),
     ("/v1/nothing-here", {}, 404, "invalid_request_error"),
 ])
@@ -267,3 +267,12 @@ def test_engine_refusal_of_a_spec_is_a_400(service):
                                      json={"prompt": "hi", "structured_outputs": {"regex": "("}})
     assert response.status_code == 400
     assert "unbalanced parenthesis" in response.json()["error"]["message"]
+
+
+def test_an_unexpected_error_is_a_500_in_openais_shape(service):
+    service.engine = SimpleNamespace(is_alive=True)  # no model_info: /v1/models fails unexpectedly
+    client = TestClient(_client(service).app, raise_server_exceptions=False)
+    response = client.get("/v1/models")
+    assert response.status_code == 500
+    error = ErrorObject.model_validate(response.json()["error"])
+    assert error.type == "server_error" and error.message

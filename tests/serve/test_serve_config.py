@@ -204,15 +204,30 @@ def test_chat_request_maps_max_completion_tokens_and_logprobs():
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo with logprobs"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"one": 2.0}}, "logit_bias keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"4294967296": 2.0}}, "not a token id"),
     ({"prompt": [[1], [2]]}, "one prompt"),
 ])
 def test_unsupported_completion_features_are_refused(body, message):
     with pytest.raises(InvalidRequestError, match=message):
         CompletionRequest.model_validate(body).to_generate_request()
+
+
+def test_logit_bias_and_prompt_logprobs_reach_the_message():
+    body = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"7": -100, " 3": 2.5},
+                                             "echo": True, "logprobs": 2})
+    params = body.to_generate_request().sampling_params
+    assert dict(params.logit_bias) == {7: -100.0, 3: 2.5}
+    assert params.prompt_logprobs == 2 and params.logprobs == 2  # echo with logprobs scores the prompt
+    asked = CompletionRequest.model_validate({"prompt": "x", "prompt_logprobs": 4, "echo": True, "logprobs": 1})
+    assert asked.to_generate_request().sampling_params.prompt_logprobs == 4
+    plain = CompletionRequest.model_validate({"prompt": "x", "echo": True}).to_generate_request()
+    assert not plain.sampling_params.HasField("prompt_logprobs") and not plain.sampling_params.logit_bias
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "logit_bias": {"5": 1}})
+    assert dict(chat.to_generate_request([1]).sampling_params.logit_bias) == {5: 1.0}
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -357,3 +372,18 @@ def test_model_not_found_and_validation_errors():
                                       {"loc": ("body", "prompt"), "msg": "Field required"}])
     assert refusal.status == 400 and refusal.param == "temperature"
     assert refusal.message == "temperature: not a number; prompt: Field required"
+
+
+def test_several_served_model_names():
+    from raypaged.cli import build_parser
+
+    args = ServeAppArgs.from_dict({"served_model_name": ["main", "alias"]})
+    assert args.served_model_names == ["main", "alias"]
+    assert ServeAppArgs.from_dict({"served_model_name": "one"}).served_model_names == ["one"]
+    assert ServeAppArgs.from_dict({}).served_model_names == []
+    with pytest.raises(ConfigError, match="served_model_name"):
+        ServeAppArgs.from_dict({"served_model_name": []})
+    for command in ("serve", "launch"):
+        parsed = build_parser().parse_args([command, "--served-model-name", "main", "alias"])
+        assert parsed.served_model_name == ["main", "alias"]
+    assert "`a`, `b`" in model_not_found("x", ["a", "b"]).message

@@ -66,3 +66,13 @@ def assert_matches_hf(name: str, prompts: list[list[int]], results, max_tokens: 
         for sample in result.outputs:
             assert sample.token_ids == expected, f"prompt of {len(prompt)} tokens"
             assert sample.finish_reason == "length"
+
+
+@functools.cache
+def hf_prompt_logprobs(name: str, prompt: tuple[int, ...]) -> torch.Tensor:
+    """[P - 1, V] float32: row i is log_softmax of transformers' logits predicting prompt token
+    i + 1 (what prompt_logprobs must return)."""
+    model = _hf_model(str(checkpoint_dir(name)))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1]
