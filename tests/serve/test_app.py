@@ -171,7 +171,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": "llama", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "only text"),
     ("chat/completions", {"model": "llama", "messages": [{"role": "user", "content": "x"}],
-                          "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                          "tools": [{"type": "function", "function": {"description": "no name"}}]}, 400,
+     "function.name"),
     ("chat/completions", {"model": "llama", "messages": [{"role": "user", "content": "x"}],
                           "top_logprobs": 2}, 400, "top_logprobs"),
 ]
