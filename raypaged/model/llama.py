@@ -1,8 +1,8 @@
 """The Llama-family decoder: Llama 2/3, Mistral and Qwen2 share one implementation.
 
 What differs between them is configuration only (read by ModelConfig): Qwen2 has q/k/v biases,
-Llama may have attention/MLP biases, llama3 rope scaling, tied embeddings. Mistral's sliding
-window never applies because ModelConfig caps max_model_len at the window.
+Llama may have attention/MLP biases, llama3 rope scaling, tied embeddings; Mistral's sliding
+window (v0.1) goes to every layer's attention, which reads only the window.
 
 Checkpoint names are Hugging Face's; `checkpoint_tensors()` maps each one to the layer (and the
 shard of a merged weight) that loads it.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .config import ModelConfig
 from .layers import (
     LoadsWeights,
     MergedColumnParallelLinear,
@@ -34,7 +34,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -51,6 +51,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             config.head_dim,
             scale=config.head_dim**-0.5,
+            sliding_window=config.window_of(layer),
         )
 
     def qkv(
@@ -82,9 +83,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,7 +120,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
@@ -194,6 +195,10 @@ _MERGED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    # Each layer's norms, and its attention's (those it has), by checkpoint name.
+    LAYER_NORMS: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    ATTENTION_NORMS: tuple[str, ...] = ()
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         config.check_tensor_parallel(get_tp_size())
@@ -231,8 +236,12 @@ class LlamaForCausalLM(nn.Module):
             targets["lm_head.weight"] = CheckpointTarget(self.lm_head, "weight")
         for i, layer in enumerate(self.model.layers):
             prefix = f"model.layers.{i}"
-            for norm in ("input_layernorm", "post_attention_layernorm"):
+            for norm in self.LAYER_NORMS:
                 targets[f"{prefix}.{norm}.weight"] = CheckpointTarget(getattr(layer, norm), "weight")
+            for norm in self.ATTENTION_NORMS:
+                if getattr(layer.self_attn, norm, None) is not None:
+                    targets[f"{prefix}.self_attn.{norm}.weight"] = CheckpointTarget(
+                        getattr(layer.self_attn, norm), "weight")
             blocks = {"self_attn": layer.self_attn, "mlp": layer.mlp}
             projections = {
                 "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -263,4 +272,3 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
-assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES

@@ -30,8 +30,9 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .layers import WeightShapeError
-from .llama import MODEL_REGISTRY, CheckpointTarget, LlamaForCausalLM
+from .llama import CheckpointTarget, LlamaForCausalLM
 from .parallel import get_tp_rank, get_tp_size
+from .registry import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
 
