@@ -42,8 +42,9 @@ def test_window_plan_covers_exactly_each_window(seed, window):
         assert all(a.end == b.start for a, b in zip(own, own[1:]))
 
 
-@pytest.mark.parametrize("window,target_items", [(1, None), (9, None), (16, 1), (33, None),
-                                                 (1000, None)])
+@pytest.mark.parametrize("window,target_items", [
+    pytest.param(1, None, marks=pytest.mark.slow), (9, None), (16, 1),
+    pytest.param(33, None, marks=pytest.mark.slow), pytest.param(1000, None, marks=pytest.mark.slow)])
 def test_decode_window_against_reference(window, target_items):
     """Split items (SMALL) or whole sequences (target_items=1), GQA 4, block 8."""
     check_decode(LENS, 4, head_dim=32, block_size=8, sliding_window=window,
@@ -70,7 +71,7 @@ def test_decode_reads_the_work_list_planned_with_the_window():
 
 
 SLOW = pytest.mark.slow
-PREFILL_CASES = [pytest.param(w, s, marks=() if (w, s) in {(7, "cache"), (16, "ptr"), (1000, "ptr")}
+PREFILL_CASES = [pytest.param(w, s, marks=() if (w, s) in {(7, "cache"), (16, "ptr")}
                               else SLOW, id=f"{w}-{s}")
                  for w in (1, 7, 16, 40, 1000) for s in ("cache", "ptr")]
 

@@ -120,7 +120,8 @@ def test_tp2_matches_tp1_qwen2_qkv_bias():
     _check("qwen2")
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window"])
+@pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "gemma3",
+                                  pytest.param("mistral-window", marks=pytest.mark.slow)])
 def test_tp2_matches_tp1_sliding_window_models(name):
     """Windows of 8 / 12 under contexts of up to 29: each rank's heads read only the window.
     Gemma 3's six layers of (1 + w) ≈ 2 norm gains amplify the all-reduce's other summation
