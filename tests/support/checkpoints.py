@@ -85,7 +85,7 @@ CHECKPOINTS: dict[str, CheckpointSpec] = {
     "llama-linear-rope": CheckpointSpec(
         "llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0)), seed=6
     ),
-    # A sliding window above every length the tests use: ModelConfig caps max_model_len at it.
+    # A sliding window above every length the tests use (mistral-window: one below them).
     "mistral": CheckpointSpec("mistral", dict(sliding_window=128, head_dim=16), seed=7),
     "qwen2": CheckpointSpec("qwen2", dict(rope_theta=1000000.0), seed=8),
     # Sliding windows of a few tokens, so prompts and generations run several windows long.
