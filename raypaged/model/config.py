@@ -212,7 +212,13 @@ def _layer_windows(raw: dict[str, Any], sliding_window: int | None) -> tuple[int
     """config.json's layer_types (transformers >= 4.53) as windows; absent: () (every layer
     `sliding_window`). A window-less config has no sliding layers whatever it lists."""
     layer_types = raw.get("layer_types")
-    if not layer_types or sliding_window is None:
+    if sliding_window is None:
+        return ()
+    if not layer_types and "Qwen2ForCausalLM" in (raw.get("architectures") or []):
+        # transformers 4's Qwen2: the layers from max_window_layers on slide.
+        first = int(raw.get("max_window_layers", 0) or 0)
+        return tuple(None if i < first else sliding_window for i in range(raw["num_hidden_layers"]))
+    if not layer_types:
         return ()
     known = ("sliding_attention", "full_attention")
     if any(t not in known for t in layer_types):

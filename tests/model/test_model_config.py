@@ -94,6 +94,12 @@ def test_layer_types_give_per_layer_windows():
         ModelConfig.from_dict({**raw, "layer_types": ["chunked_attention", "full_attention"]})
 
 
+def test_qwen2_sliding_window_from_max_window_layers():
+    raw = {**BASE, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+           "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 3}
+    assert ModelConfig.from_dict(raw).layer_windows == (None, None, None, 32)
+
+
 def test_gemma_fields_in_both_config_layouts():
     gemma2 = {**BASE, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4,
               "sliding_window": 8, "hidden_activation": "gelu_pytorch_tanh",
