@@ -14,6 +14,7 @@ random checkpoints' greedy outputs are checked to vary, so a match is not a cons
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raypaged import LLM, SamplingParams
 from tests.support.checkpoints import checkpoint_dir
@@ -120,3 +121,22 @@ def test_window_and_softcap_kernels_end_to_end_under_the_interpreter(name):
     _, results = run(name, prompts, params, block_size=8, attention_backend="triton",
                      max_num_batched_tokens=16)
     assert_matches_hf(name, prompts, results, max_tokens=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("name", WINDOWED)
+def test_on_cuda_with_and_without_cuda_graphs(name, enforce_eager, async_scheduling):
+    """The window and soft-cap kernels on the GPU, decode through captured CUDA graphs (window
+    work lists planned inside them), mixed steps through the piecewise graphs (Gemma 3's two
+    ropes in one buffer): still token-identical to transformers in fp32."""
+    prompts = random_prompts([1, 7, 30, 41, 3], vocab_of(name), seed=29)
+    llm = LLM(str(checkpoint_dir(name)), device="cuda", dtype="float32", block_size=16,
+              max_num_seqs=8, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+    try:
+        assert (llm.engine.executor.worker.runner.decode_graphs is None) == enforce_eager
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    finally:
+        llm.shutdown()
+    assert_matches_hf(name, prompts, results, max_tokens=MAX_TOKENS)
