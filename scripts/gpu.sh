@@ -13,7 +13,11 @@
 # frontend needs (1.84.0: the machine's grpcio; `pip download --no-deps -d .device
 # "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0"`). The kernels suite's peer,
 # FlashInfer, comes from the wheels in .whl/ (flashinfer-python 0.5.3 and apache-tvm-ffi 0.1.6,
-# ignored by git: carry .whl with the call); without them it is reported absent.
+# ignored by git: carry .whl with the call); without them it is reported absent. The structured suite
+# needs xgrammar, which the machine lacks, from .whl/structured/: `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform
+# manylinux2014_x86_64 -d .whl/structured xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic
+# pydantic-core annotated-types typing-inspection`.
 #
 # Suites (minutes on one H200, from the last runs; a device call is at most 10 minutes):
 #   tests        every GPU-marked test (bf16 kernels at the 8B's shapes, PDL on/off bit for bit,
@@ -34,6 +38,8 @@
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
+#   structured   decode at batch 64 with half the requests under a JSON schema vs none, and grammar
+#                compile times (carry .whl: xgrammar's wheels in .whl/structured/) -> structured_8b_h200.json, .png, ~3
 #   tp           tensor parallelism at TP 1 and 2 (kind nvidia-h200-x2) [Ray] -> tp_8b_h200.json, .png, ~4
 #   faults       a TP=2 rank killed / raising / hanging (kind nvidia-h200-x2) [Ray] -> faults_h200x2.json, ~2
 #   all          every one-GPU suite above, in order (longer than one device call: name suites instead)
@@ -45,7 +51,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving
-         serving-multiturn channel staging sampler)
+         serving-multiturn channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -60,6 +66,17 @@ use_wheels() {  # the benchmark-only packages carried as wheels in .whl/ (FlashI
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || { echo "installing .whl/ failed: FlashInfer will be reported absent"; return 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# xgrammar (a raypaged dependency the machine lacks) from .whl/structured/ with pydantic and the apache-tvm-ffi it
+# needs (>= 0.1.11, newer than FlashInfer's 0.1.6: kept apart, in its own folder, for the suites
+# that use it).
+use_xgrammar() {
+    python3 -c "import xgrammar" 2>/dev/null && return 0
+    ls .whl/structured/*.whl >/dev/null 2>&1 || { echo "no .whl/structured/: carry xgrammar's wheels"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-xgrammar \
+        .whl/structured/*.whl || return 1
+    export PYTHONPATH=/tmp/site-xgrammar${PYTHONPATH:+:$PYTHONPATH}
 }
 
 RAY_READY=0
@@ -97,7 +114,7 @@ gpu_test_files() {  # the files holding GPU tests: collecting the whole suite wo
 
 suite() {
     case $1 in
-        tests) bench tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
+        tests) use_xgrammar; bench tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
         kernels) use_wheels; bench kernels 450 python3 -m benchmarks.bench_kernels --out "$OUT_DIR" ;;
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
@@ -135,6 +152,8 @@ suite() {
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
         sampler) bench sampler 120 python3 -m benchmarks.bench_sampler --out "$OUT_DIR" ;;
+        structured) use_xgrammar && bench structured 300 python3 -m benchmarks.bench_structured --shape 8b \
+            --batch 64 --context 512 --steps 50 --schemas 200 --stream 2000 --out "$OUT_DIR" ;;
         tp) use_ray && bench tp 300 python3 -m benchmarks.bench_tp --shape 8b --tp-sizes 1,2 --batch-sizes 1,64 \
             --context 1024 --decode-steps 30 --throughput-batch 256 --prompt-len 512 --output-len 256 \
             --profile-steps 20 --out "$OUT_DIR" ;;

@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from raypaged.commands.launch import add_server_args, run_server
-from raypaged.config import SERVING_MAX_WAITING_REQUESTS, EngineConfig
+from raypaged.config import SERVING_MAX_WAITING_REQUESTS, ConfigError, EngineConfig
+from raypaged.text.chat_parsing import ChatParsing
 
 if TYPE_CHECKING:
     from raypaged.frontend.server import FrontendServer
@@ -28,8 +29,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="OpenAI HTTP port (0: any free port)")
     group.add_argument("--grpc-port", dest="port", type=int, default=50051,
                        help="raypaged.v1 gRPC port (0: any free port)")
+    add_chat_parsing_args(parser)
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(run=run, max_waiting_requests=SERVING_MAX_WAITING_REQUESTS)
+
+
+def add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for reading chat answers (serve/chat_tools.py)."""
+    from raypaged.text.reasoning_parsers import REASONING_PARSERS
+    from raypaged.text.tool_parsers import TOOL_PARSERS
+
+    group = parser.add_argument_group("chat parsing")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model's tool-call format, for tool_choice auto")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide to call tools (tool_choice auto, the default "
+                            "with tools); needs --tool-call-parser")
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="split <think>...</think> into reasoning_content")
+
+
+def chat_parsing_from_args(args: argparse.Namespace) -> ChatParsing:
+    return ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
             print("raypaged serve: MODEL and --model name different models", file=sys.stderr)
             return 2
         args.model = args.model_path
+    try:
+        chat_parsing_from_args(args).validate()
+    except ConfigError as e:
+        print(f"raypaged serve: {e}", file=sys.stderr)
+        return 2
     return run_server(args, "serve", attach=_openai_http(args), ports=(args.http_port,))
 
 
@@ -49,7 +75,7 @@ def _openai_http(args: argparse.Namespace) -> Callable[[FrontendServer], Awaitab
         from raypaged.serve.standalone_http import HTTPServer, build_http_app
 
         security = args.security
-        front = OpenAIFrontDoor(server.service, server.metrics)
+        front = OpenAIFrontDoor(server.service, server.metrics, parsing=chat_parsing_from_args(args))
         app = build_http_app(front, auth_token=security.auth_token,
                              max_body_bytes=security.max_message_bytes)
         http = HTTPServer(app, args.host, args.http_port, tls=security.tls,

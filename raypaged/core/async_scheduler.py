@@ -5,11 +5,12 @@ are back, and hands step N's tokens to update_from_output after that. So a step'
 computed as soon as it is scheduled, and each request the step will sample for gets a
 PLACEHOLDER_TOKEN_ID as its next token, which step N+1 may already schedule (the workers put the
 sampled token in its place). A request whose next token may end it for length, or that forks
-(n > 1) on it, gets no placeholder: it sits out step N+1. So does a request with a
-structured output: its next step's grammar mask needs the token this one samples, so it runs
-every other step (half its decode rate while other requests keep the pipeline full; alone, its
-steps are as synchronous ones). A stop token ends a request one step
-late: the token step N+1 computed for it is dropped.
+(n > 1) on it, gets no placeholder: it sits out step N+1. A request with a structured output
+gets one too, though step N+1's grammar mask needs the token step N samples: that step's
+sampling is deferred (SchedulerOutput.grammar_deferred) until step N+2 brings the mask, computed
+once step N's tokens are back, so its forward still overlaps the host's work
+(raypaged/structured/manager.py). A stop token ends a request one step late: the token step N+1
+computed for it is dropped.
 
 Everything else is the Scheduler's: this class only overrides its hooks.
 """
@@ -79,8 +80,7 @@ class AsyncScheduler(Scheduler):
                 ends_append(end)
                 tokens = request.all_token_ids
                 if end == len(tokens) and end < request.max_num_tokens - 1 and (
-                        request.sampling_params.n == 1 or end > len(request.prompt_token_ids)) \
-                        and request.constraint is None:
+                        request.sampling_params.n == 1 or end > len(request.prompt_token_ids)):
                     tokens.append(PLACEHOLDER_TOKEN_ID)
             self._in_flight.append((out, scheduled, ends))
         elif not self._in_flight:

@@ -62,6 +62,13 @@ class SchedulerOutput:
     # a grammar: unconstrained steps carry nothing.
     grammar_bitmask: object | None = None
     grammar_req_ids: list[str] = field(default_factory=list)
+    # Asynchronous scheduling: the masks of this step's constrained requests need tokens still
+    # in flight (the previous step's), so the workers run its forward now and sample it when
+    # the next step brings deferred_bitmask (rows: deferred_req_ids), computed once those
+    # tokens are back. The next step always carries it, even a step that schedules nothing.
+    grammar_deferred: bool = False
+    deferred_bitmask: object | None = None
+    deferred_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

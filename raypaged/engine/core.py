@@ -304,6 +304,8 @@ class EngineCore:
         logger.error("%s; restarting the worker group", message)
         with self._lock:
             self.scheduler.reset_workers()
+            if self._structured is not None:
+                self._structured.reset_workers()
         while self._consecutive_failures < self.config.parallel.max_worker_restarts:
             self._consecutive_failures += 1
             self.num_worker_restarts += 1

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) with tensor-parallel layers, and its
-safetensors loader.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, and as subclasses Qwen3 and Phi-3) with
+tensor-parallel layers, and its safetensors loader.
 
     config = ModelConfig.from_pretrained(model_dir, max_model_len=None)
     model = load_model(model_dir, dtype=torch.bfloat16, device="cuda", load_format="auto")

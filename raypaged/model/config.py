@@ -8,16 +8,22 @@ transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from raypaged.config.base import ConfigError
 
+from .rope_scaling import SCALED_ROPE_TYPES, ScaledRope, parse_scaled_rope
+
 # Architectures the decoder in llama.py serves; the names as config.json's "architectures" lists them.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+)  # fmt: skip
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", *SCALED_ROPE_TYPES)
+# Architectures whose transformers implementation rotates only part of each head.
+_PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -33,6 +39,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    partial_rotary_factor: float = 1.0  # the first int(head_dim * it) dims of a head are rotated
+    scaled: ScaledRope | None = None  # yarn, dynamic, longrope (rope_scaling.py)
 
 
 @dataclass(frozen=True)
@@ -110,16 +118,27 @@ class ModelConfig:
         max_pos = _positive_int(raw, "max_position_embeddings")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
+        rope = extra.pop("rope", None) or _rope_config(raw, max_pos, head_dim, architecture)
+        served_pos = rope.scaled.max_model_len(max_pos) if rope.scaled else max_pos
 
-        sliding_window = _sliding_window(raw, is_qwen2)
+        # Qwen3 too stores a window that use_sliding_window switches on.
+        sliding_window = _sliding_window(raw, architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"))
         if max_model_len is None:
-            max_model_len = max_pos
+            max_model_len = served_pos
         elif max_model_len < 1:
             raise ModelConfigError(f"max_model_len must be positive, got {max_model_len}")
-        elif max_model_len > max_pos:
+        elif max_model_len > served_pos:
             raise ModelConfigError(
-                f"max_model_len {max_model_len} exceeds max_position_embeddings {max_pos}"
+                f"max_model_len {max_model_len} exceeds "
+                + (f"max_position_embeddings {max_pos}" if served_pos == max_pos else
+                   f"the {served_pos} positions {rope.rope_type} rope serves "
+                   "(original_max_position_embeddings x factor)")
+                + (" (dynamic NTK rope is served only up to max_position_embeddings, where its "
+                   "frequencies do not depend on how a sequence is split into steps)"
+                   if rope.rope_type == "dynamic" else "")
             )
+        if rope.scaled is not None:
+            rope = replace(rope, scaled=rope.scaled.served_at(max_model_len))
 
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -135,7 +154,7 @@ class ModelConfig:
             head_dim=head_dim,
             vocab_size=_positive_int(raw, "vocab_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=extra.pop("rope", None) or _rope_config(raw, max_pos, head_dim),
+            rope=rope,
             max_position_embeddings=max_pos,
             max_model_len=max_model_len,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -214,8 +233,8 @@ def _layer_windows(raw: dict[str, Any], sliding_window: int | None) -> tuple[int
     layer_types = raw.get("layer_types")
     if sliding_window is None:
         return ()
-    if not layer_types and "Qwen2ForCausalLM" in (raw.get("architectures") or []):
-        # transformers 4's Qwen2: the layers from max_window_layers on slide.
+    if not layer_types and {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(raw.get("architectures") or []):
+        # transformers 4's Qwen2 / Qwen3: the layers from max_window_layers on slide.
         first = int(raw.get("max_window_layers", 0) or 0)
         return tuple(None if i < first else sliding_window for i in range(raw["num_hidden_layers"]))
     if not layer_types:
@@ -229,35 +248,53 @@ def _layer_windows(raw: dict[str, Any], sliding_window: int | None) -> tuple[int
     return tuple(sliding_window if t == "sliding_attention" else None for t in layer_types)
 
 
-def _rope_config(raw: dict[str, Any], max_pos: int, head_dim: int) -> RopeConfig:
+def _rope_config(raw: dict[str, Any], max_pos: int, head_dim: int, architecture: str) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ModelConfigError("per-layer-type rope_parameters are not supported")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    # "su" is longrope's old name; transformers' Phi-3 also reads "yarn" as longrope.
+    if rope_type == "su" or (rope_type == "yarn" and architecture == "Phi3ForCausalLM"):
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ModelConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
-    if head_dim % 2:
-        raise ModelConfigError(f"head_dim {head_dim} must be even for rotary embeddings")
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and architecture not in _PARTIAL_ROTARY_ARCHITECTURES:
+        raise ModelConfigError(
+            f"partial_rotary_factor {partial} is not supported for {architecture} (only 1.0; "
+            f"partial rotary is served for {', '.join(_PARTIAL_ROTARY_ARCHITECTURES)})"
+        )
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or rotary_dim < 2:
+        raise ModelConfigError(
+            f"rotary dimension {rotary_dim} (head_dim {head_dim} x partial_rotary_factor "
+            f"{partial}) must be even and positive for rotary embeddings"
+        )
+    base = RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=partial)
     try:
         if rope_type == "linear":
-            return RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(params["factor"]))
+            return replace(base, factor=float(params["factor"]))
         if rope_type == "llama3":
-            return RopeConfig(
-                theta=float(theta),
-                rope_type=rope_type,
+            return replace(
+                base,
                 factor=float(params["factor"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
+                # transformers prefers a top-level original_max_position_embeddings (Phi-3 style).
                 original_max_position_embeddings=int(
-                    params.get("original_max_position_embeddings", max_pos)
+                    raw.get("original_max_position_embeddings")
+                    or params.get("original_max_position_embeddings", max_pos)
                 ),
+            )
+        if rope_type in SCALED_ROPE_TYPES:
+            return replace(
+                base, scaled=parse_scaled_rope(rope_type, params, raw, max_pos, rotary_dim)
             )
     except KeyError as e:
         raise ModelConfigError(f"{rope_type} rope scaling is missing {e.args[0]!r}") from e
-    return RopeConfig(theta=float(theta), rope_type=rope_type)
+    except (TypeError, ValueError) as e:
+        raise ModelConfigError(f"{rope_type} rope scaling: {e}") from e
+    return base

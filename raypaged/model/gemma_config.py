@@ -47,19 +47,21 @@ def gemma_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _gemma3_ropes(raw: dict[str, Any]) -> dict[str, RopeConfig]:
     """The global layers' rope (`rope`) and the local layers' (`local_rope`)."""
+    architecture = "Gemma3ForCausalLM"
     max_pos, head_dim = int(raw["max_position_embeddings"]), int(raw.get("head_dim") or 256)
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         unknown = set(params) - {"sliding_attention", "full_attention"}
         if unknown:
             raise ModelConfigError(f"rope_parameters for layer types {sorted(unknown)} are not supported")
-        ropes = {kind: _rope_config({"rope_parameters": p}, max_pos, head_dim)
+        ropes = {kind: _rope_config({"rope_parameters": p}, max_pos, head_dim, architecture)
                  for kind, p in params.items()}
         local = ropes.get("sliding_attention")
         return {"rope": ropes.get("full_attention") or local or RopeConfig(),
                 "local_rope": local or ropes["full_attention"]}
     local_theta = float(raw.get("rope_local_base_freq") or 10000.0)
-    return {"rope": _rope_config(raw, max_pos, head_dim), "local_rope": RopeConfig(theta=local_theta)}
+    return {"rope": _rope_config(raw, max_pos, head_dim, architecture),
+            "local_rope": RopeConfig(theta=local_theta)}
 
 
 def _optional_float(raw: dict[str, Any], key: str) -> float | None:

@@ -4,12 +4,16 @@ What differs between them is configuration only (read by ModelConfig): Qwen2 has
 Llama may have attention/MLP biases, llama3 rope scaling, tied embeddings; Mistral's sliding
 window (v0.1) goes to every layer's attention, which reads only the window.
 
+Qwen3 (q/k norms, qwen3.py: swaps the attention class) and Phi-3 (fused checkpoint tensors,
+phi3.py: its own checkpoint name map) are subclasses; registry.py lists every architecture.
+
 Checkpoint names are Hugging Face's; `checkpoint_tensors()` maps each one to the layer (and the
 shard of a merged weight) that loads it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -17,7 +21,7 @@ import torch
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention
-from .config import ModelConfig
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .layers import (
     LoadsWeights,
     MergedColumnParallelLinear,
@@ -58,7 +62,7 @@ class LlamaAttention(nn.Module):
         self, rope: StepRotary, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated."""
-        if rope.on_kernels:  # the GEMM may rotate as it stores
+        if rope.on_kernels and rope.covers(self.qkv_proj.head_dim):  # the GEMM may rotate as it stores
             qkv = self.qkv_proj.rotated(hidden, rope.cos, rope.sin)
             if qkv is not None:
                 return self.qkv_proj.split(qkv)
@@ -83,9 +87,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, attention_class: type[LlamaAttention] = LlamaAttention,
+        layer: int = 0,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer)
+        self.self_attn = attention_class(config, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -116,12 +123,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        make_layer: Callable[[ModelConfig, int], LlamaDecoderLayer] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
+        make = make_layer or (lambda config, layer: LlamaDecoderLayer(config, layer=layer))
+        self.layers = nn.ModuleList(make(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
 
@@ -195,6 +205,8 @@ _MERGED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    # What a family built on this decoder changes in its layers (qwen3.py).
+    attention_class: type[LlamaAttention] = LlamaAttention
     # Each layer's norms, and its attention's (those it has), by checkpoint name.
     LAYER_NORMS: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     ATTENTION_NORMS: tuple[str, ...] = ()
@@ -203,10 +215,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         config.check_tensor_parallel(get_tp_size())
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self._make_layer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _make_layer(self, config: ModelConfig, layer: int) -> LlamaDecoderLayer:
+        return LlamaDecoderLayer(config, self.attention_class, layer)
 
     def forward(
         self,
@@ -272,3 +287,4 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
+assert set(MODEL_REGISTRY) <= set(SUPPORTED_ARCHITECTURES)  # registry.py holds them all

@@ -13,6 +13,7 @@ from typing import Any
 
 from raypaged.config import SERVING_MAX_WAITING_REQUESTS, ConfigError, EngineConfig
 from raypaged.frontend.validation import RequestLimits
+from raypaged.text.chat_parsing import ChatParsing
 
 
 @dataclass
@@ -44,6 +45,14 @@ class ServeAppArgs:
     replica_num_cpus: float = 1.0  # the replica actor's own CPU (HTTP / gRPC handling)
     stats_interval_s: float = 1.0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Chat answers' parsers, as vLLM's flags name them (serve/chat_tools.py).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+
+    @property
+    def chat_parsing(self) -> ChatParsing:
+        return ChatParsing(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> ServeAppArgs:
@@ -78,6 +87,7 @@ class ServeAppArgs:
 
     def validate(self) -> None:
         self.engine.validate()
+        self.chat_parsing.validate()
         checks = [
             (self.num_replicas is None or self.num_replicas >= 1, "num_replicas must be >= 1"),
             (self.max_ongoing_requests >= 1, "max_ongoing_requests must be >= 1"),

@@ -56,7 +56,7 @@ class RaypagedDeployment:
         self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
-        self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers)
+        self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers, parsing=args.chat_parsing)
         self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
         logger.info("raypaged replica %s ready: %s (%d KV blocks of %d, tp %d)", self.replica_id,
                     self.service.model_name, info["num_blocks"], info["block_size"],

@@ -21,10 +21,15 @@ from starlette.exceptions import HTTPException
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.chat_output import ChatChoiceParser
 from raypaged.serve.chat_template import chat_prompt_token_ids
+from raypaged.serve.chat_tools import ToolPlan
 from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from raypaged.serve.openai_responses import ResponseBuilder
+from raypaged.text.chat_parsing import ChatParsing
+
+ParserFactory = Callable[[], ChatChoiceParser]  # one parser per chat choice
 
 # The routes, by the OpenAIFrontDoor method that answers each: what every front door serves.
 ROUTES: tuple[tuple[str, str, str], ...] = (
@@ -61,14 +66,16 @@ def sse(payload: dict[str, Any] | str) -> str:
 class OpenAIFrontDoor:
     """/v1/models, /health, /v1/completions and /v1/chat/completions over one service.
 
-    headers: added to every answer (Serve names the replica that answered). The engine is read
+    headers: added to every answer (Serve names the replica that answered). parsing: the tool-call
+    and reasoning parsers chat answers are read with (serve/chat_tools.py). The engine is read
     from the service each time, so an engine the supervisor swapped in is the one described."""
 
     def __init__(self, service: GenerationService, metrics: FrontendMetrics,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, parsing: ChatParsing | None = None) -> None:
         self.service = service
         self.metrics = metrics
         self.headers = headers or {}
+        self.parsing = parsing or ChatParsing()
 
     @property
     def model_name(self) -> str:
@@ -85,22 +92,35 @@ class OpenAIFrontDoor:
         return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
 
     async def completions(self, body: CompletionRequest) -> Any:
-        return await self._respond(body, chat=False, build=body.to_generate_request)
+        return await self._respond(body, chat=False, build=lambda: (body.to_generate_request(), None))
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
-        def build() -> pb.GenerateRequest:
+        def build() -> tuple[pb.GenerateRequest, ParserFactory | None]:
+            plan = body.tool_plan(self.parsing)
             max_chars = self.service.model.max_model_len * self.service.limits.max_prompt_chars_per_token
-            ids = chat_prompt_token_ids(self.service.tokenizer, body.message_dicts(), max_chars)
-            return body.to_generate_request(ids)
+            ids = chat_prompt_token_ids(self.service.tokenizer, body.message_dicts(), max_chars,
+                                        tools=plan.tools)
+            return body.to_generate_request(ids, plan), self._chat_parser(body, plan)
 
         return await self._respond(body, chat=True, build=build)
 
+    def _chat_parser(self, body: ChatCompletionRequest, plan: ToolPlan) -> ParserFactory | None:
+        """What reads each choice of the answer; None: the text is the content."""
+        # Output a grammar wrote (enforced tools, response_format) is JSON: no reasoning in it.
+        constrained = plan.enforced or body.structured_outputs is not None or \
+            body.response_format not in (None, {"type": "text"})
+        reasoning = self.parsing.reasoning_parser is not None and not constrained
+        if not plan.parses and not reasoning:
+            return None
+        return lambda: ChatChoiceParser(plan.new_parser(), self.parsing.reasoning() if reasoning else None,
+                                        parallel=plan.parallel)
+
     async def _respond(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
-                       build: Callable[[], pb.GenerateRequest]) -> Any:
+                       build: Callable[[], tuple[pb.GenerateRequest, ParserFactory | None]]) -> Any:
         if body.model is not None and body.model != self.model_name:
             raise self.refused(model_not_found(body.model, self.model_name))
         try:
-            message = build()
+            message, parser_factory = build()
         except Exception as e:
             raise self.refused(e) from None
         params = message.sampling_params
@@ -110,7 +130,8 @@ class OpenAIFrontDoor:
             echo = message.prompt or self.service.tokenizer.decode(list(message.prompt_token_ids))
         builder = ResponseBuilder(chat=chat, request_id=message.request_id, model=self.model_name,
                                   tokenizer=self.service.tokenizer, n=params.n if params.HasField("n") else 1,
-                                  logprobs=logprobs, include_usage=body.include_usage, echo=echo)
+                                  logprobs=logprobs, include_usage=body.include_usage, echo=echo,
+                                  chat_parser=parser_factory)
         stream = self.service.generate(message)
         # Pull the first message before answering: a refused request (validation, full queue,
         # engine gone) then gets its HTTP status, not a 200 stream that carries an error.

@@ -5,7 +5,7 @@ min_tokens, stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_sal
 structured_outputs). Structured output is OpenAI's `response_format` (json_object, json_schema) or
 vLLM's `structured_outputs` (json, json_object, regex, choice, grammar): both become the message's
 SamplingParams.structured_output. Unknown fields are ignored as OpenAI's server ignores them, but
-features raypaged does not implement (suffix, logit_bias, best_of > n, echo with logprobs, tools)
+features raypaged does not implement (suffix, logit_bias, best_of > n, echo with logprobs, functions)
 are refused rather than silently dropped; `user` is accepted and unused. Range checks on sampling values stay in one
 place: frontend/validation.py, reached through the GenerateRequest built here.
 
@@ -25,7 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from raypaged.core.errors import InvalidRequestError
 from raypaged.frontend.validation import structured_output_from_proto
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.chat_tools import ToolPlan
 from raypaged.serve.client_text import check_client_text
+from raypaged.text.chat_parsing import ChatParsing
 
 # The wire limits of raypaged.v1's fields: a larger value is a 400, not an overflow.
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -214,9 +216,11 @@ class CompletionRequest(OpenAIRequest):
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Any] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+    tool_calls: list[Any] | None = None  # assistant messages: the calls it made
 
     def text(self) -> str:
         """Content parts other than text (images, audio) cannot reach a text-only model."""
@@ -234,6 +238,41 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "".join(texts)
 
+    def template_dict(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention, vLLM's too): a tool result
+        with its tool_call_id, an assistant's calls with their arguments as objects."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise InvalidRequestError(f"messages[{index}] is a tool message without its tool_call_id")
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequestError(f"messages[{index}] is a {self.role} message: only "
+                                          "assistant messages carry tool_calls")
+            out["tool_calls"] = [_template_call(call, f"messages[{index}].tool_calls[{i}]")
+                                 for i, call in enumerate(self.tool_calls)]
+            if self.content is None:
+                out["content"] = None
+        return out
+
+
+def _template_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": "
+                                  "{\"name\", \"arguments\"}}")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise InvalidRequestError(f"{where}.function.arguments is not valid JSON") from None
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{where}.function.arguments must be a JSON object")
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
+
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -241,21 +280,37 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool = False
     top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's deprecated function calling: refused
+    function_call: Any = None
 
-    def to_generate_request(self, prompt_token_ids: list[int]) -> pb.GenerateRequest:
-        if self.tools or self.functions:
-            raise InvalidRequestError("tools and function calling are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice is not supported")
+    def tool_plan(self, parsing: ChatParsing) -> ToolPlan:
+        if self.functions or self.function_call is not None:
+            raise InvalidRequestError("functions / function_call are deprecated and not supported: "
+                                      "send tools and tool_choice")
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, parsing)
+
+    def to_generate_request(self, prompt_token_ids: list[int], plan: ToolPlan | None = None) -> pb.GenerateRequest:
+        """plan: tool_plan()'s, with the server's parsers; None: as a server without any."""
+        plan = plan if plan is not None else self.tool_plan(ChatParsing())
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         message = self._generate_request(max_tokens, logprobs)
         message.prompt_token_ids.extend(prompt_token_ids)
+        if plan.enforced:
+            # The grammar writes the call: the request's own structured output cannot apply too.
+            if message.sampling_params.HasField("structured_output"):
+                raise InvalidRequestError(f"tool_choice {plan.kind!r} is enforced with a grammar and "
+                                          "cannot be combined with response_format or structured_outputs")
+            structured = pb.StructuredOutput(json_schema=plan.schema_text())
+            structured_output_from_proto(structured)
+            message.sampling_params.structured_output.CopyFrom(structured)
+        if plan.keeps_special_tokens and self.skip_special_tokens is None:
+            message.sampling_params.skip_special_tokens = False
         return message
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.template_dict(i) for i, m in enumerate(self.messages)]

@@ -5,17 +5,20 @@ carries text, logprobs or a finish reason) and the stream's last chunk carries t
 OpenAI-style `choices: []` usage chunk when the client asked for stream_options.include_usage,
 otherwise the usage rides on the chunk that finishes the last sample. Non-streaming: the deltas
 are accumulated into one response. `echo` (completions): the prompt's text, put before each
-choice's text (streaming: in the choice's first chunk).
+choice's text (streaming: in the choice's first chunk). Chat choices with a parser (tools,
+reasoning: serve/chat_output.py) carry reasoning_content and tool_calls beside the content.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.chat_output import ChatChoiceParser
 
 FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
@@ -56,8 +59,11 @@ class ResponseBuilder:
     """chat: /v1/chat/completions objects; otherwise /v1/completions ones."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, tokenizer: Any, n: int,
-                 logprobs: bool, include_usage: bool, echo: str | None = None) -> None:
+                 logprobs: bool, include_usage: bool, echo: str | None = None,
+                 chat_parser: Callable[[], ChatChoiceParser] | None = None) -> None:
+        """chat_parser: makes each chat choice's parser; None: the text is the content."""
         self.chat = chat
+        self.parsers = [chat_parser() for _ in range(n)] if chat and chat_parser is not None else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
@@ -94,7 +100,14 @@ class ResponseBuilder:
         if not self._echo_sent[delta.index]:
             text = (self.echo or "") + text
             self._echo_sent[delta.index] = True
-        if not text and finish is None and not (self.logprobs and delta.logprobs):
+        parsed = None
+        if self.parsers is not None:
+            parser = self.parsers[delta.index]
+            parsed = parser.feed(delta.text)
+            if finish is not None:
+                parsed.extend(parser.finish())
+                finish = parser.finish_reason(finish)
+        if (not text if parsed is None else not parsed) and finish is None and not (self.logprobs and delta.logprobs):
             return None  # held-back text (split UTF-8, a possible stop string): nothing to send yet
         logprobs = None
         if self.logprobs:
@@ -108,7 +121,9 @@ class ResponseBuilder:
             if not self._role_sent[delta.index]:
                 content["role"] = "assistant"
                 self._role_sent[delta.index] = True
-            if delta.text or "role" in content:
+            if parsed is not None:
+                content.update(parsed.fields())
+            elif delta.text or "role" in content:
                 content["content"] = delta.text
             choice["delta"] = content
         else:
@@ -140,7 +155,11 @@ class ResponseBuilder:
             logprobs = self._logprobs(choice.logprobs, 0) if self.logprobs else None
             entry: dict[str, Any] = {"index": index, "logprobs": logprobs,
                                      "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
-            if self.chat:
+            if self.chat and self.parsers is not None:
+                parser = self.parsers[index]
+                entry["message"] = parser.message(text)
+                entry["finish_reason"] = parser.finish_reason(choice.finish_reason)
+            elif self.chat:
                 entry["message"] = {"role": "assistant", "content": text}
             else:
                 entry["text"] = text

@@ -30,8 +30,15 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, logit_rows:
     grammar then rejects, which ends the request as a dead end (never unconstrained)."""
     if not logit_rows:
         return
-    device = logits.device
-    bits = torch.from_numpy(np.ascontiguousarray(bitmask[list(mask_rows)])).to(device)
+    bits = _to_device(np.ascontiguousarray(bitmask[list(mask_rows)]), logits.device)
     allowed = unpack_bitmask(bits, logits.shape[1])
-    rows = torch.tensor(list(logit_rows), dtype=torch.int64, device=device)
+    rows = _to_device(np.array(logit_rows, dtype=np.int64), logits.device)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    # non_blocking: a blocking copy would wait for the whole stream (the forward queued before
+    # it), and the step's host work after it would no longer overlap the GPU. From pageable
+    # memory the source is staged before the call returns, so the array may go at once.
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -63,13 +63,18 @@ class GrammarCompilerPool:
         self._compiler: xgr.GrammarCompiler | None = None
         # spec key -> its compile: a failed one stays too (the same spec fails the same way).
         self._futures: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
+        self.cache_hits = 0  # compile() calls that found the spec compiled or compiling
+        self.cache_misses = 0
 
     def compile(self, spec: StructuredOutput) -> Future[xgr.CompiledGrammar]:
         key = spec.key
         with self._lock:
             future = self._futures.get(key)
             if future is None:
+                self.cache_misses += 1
                 future = self._futures[key] = self._pool.submit(self._compile, spec)
+            else:
+                self.cache_hits += 1
         return future
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:

@@ -5,6 +5,12 @@ compiler pool; the engine polls each step (never waits on a compile while anythi
 and queues it once compiled, or ends it with an error when the compile fails or outlives
 compile_timeout_s. After each schedule(), fill_bitmask() gives the step one bitmask row per
 scheduled constrained request, from that request's matcher; no row has a grammar -> no bitmask.
+
+Under asynchronous scheduling a constrained request decodes every step with a placeholder input,
+like any other: the step's mask then depends on the token the step before samples, not yet back
+when the step is scheduled. Such a step is marked grammar_deferred (its forward runs at once, its
+sampling waits), and the next step scheduled — after the engine has taken that token, so every
+matcher is where the deferred step needs it — carries the deferred step's masks.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import xgrammar as xgr
 
 from raypaged.core.outputs import SchedulerOutput
-from raypaged.core.request import Request
+from raypaged.core.request import PLACEHOLDER_TOKEN_ID, Request
 from raypaged.core.structured_output import StructuredOutput
 from raypaged.structured.compiler import GrammarCompilerPool, check_spec
 from raypaged.structured.matcher import GrammarConstraint
@@ -40,6 +46,8 @@ class StructuredOutputManager:
         self._compiling: dict[str, _Compiling] = {}  # request id -> its compile, in arrival order
         # Group ids of queued constrained requests; emptied as their groups end (is_live).
         self._live_groups: set[str] = set()
+        # The last step's constrained request ids when its masks were deferred to this step.
+        self._deferred: list[str] | None = None
 
     # ---- on the way in ---------------------------------------------------------------------------
     @staticmethod
@@ -101,22 +109,56 @@ class StructuredOutputManager:
     # ---- each step -------------------------------------------------------------------------------
     def fill_bitmask(self, out: SchedulerOutput, requests: dict[str, Request],
                      is_live: Callable[[str], bool]) -> None:
-        """Set out.grammar_bitmask / grammar_req_ids for the step's constrained requests."""
+        """Set the step's masks: out.grammar_bitmask / grammar_req_ids for its constrained
+        requests, or grammar_deferred when one's input token is still in flight; and
+        out.deferred_bitmask / deferred_req_ids when the previous step was deferred."""
+        if self._deferred is not None:
+            ids, self._deferred = self._deferred, None
+            out.deferred_bitmask = self._masks([(i, _constraint_of(requests.get(i))) for i in ids])
+            out.deferred_req_ids = ids
         if not self._live_groups:
             return  # the usual case: nothing constrained, nothing to look at
         self._live_groups = {g for g in self._live_groups if is_live(g)}
-        constrained: list[tuple[str, GrammarConstraint]] = []
+        constrained: list[tuple[str, GrammarConstraint | None]] = []
+        deferred = False
         for request_id in out.num_scheduled_tokens:
             request = requests.get(request_id)
-            if request is not None and isinstance(request.constraint, GrammarConstraint):
-                constrained.append((request_id, request.constraint))
+            constraint = _constraint_of(request)
+            if constraint is not None:
+                assert request is not None
+                constrained.append((request_id, constraint))
+                # The step's last input is the token it samples after: still a placeholder?
+                deferred = deferred or (
+                    request.all_token_ids[request.num_computed_tokens - 1] == PLACEHOLDER_TOKEN_ID)
         if not constrained:
             return
-        bitmask = xgr.allocate_token_bitmask(len(constrained), self._compilers.vocab_size)
-        for row, (_, constraint) in enumerate(constrained):
-            constraint.fill(bitmask, row)
-        out.grammar_bitmask = bitmask.numpy()
         out.grammar_req_ids = [request_id for request_id, _ in constrained]
+        if deferred:
+            out.grammar_deferred = True
+            self._deferred = out.grammar_req_ids
+        else:
+            out.grammar_bitmask = self._masks(constrained)
+
+    def _masks(self, rows: list[tuple[str, GrammarConstraint | None]]) -> object:
+        """One row per request, from its matcher as it is now; a request gone meanwhile (its
+        token will be dropped) gets a row allowing everything."""
+        bitmask = xgr.allocate_token_bitmask(len(rows), self._compilers.vocab_size)
+        # One row at a time: xgrammar's threaded BatchGrammarMatcher was over ten times slower
+        # at 32 rows on the H200's host (benchmarks/README.md).
+        for row, (_, constraint) in enumerate(rows):
+            if constraint is not None:
+                constraint.fill(bitmask, row)
+        return bitmask.numpy()
+
+    def reset_workers(self) -> None:
+        """The workers were replaced: the step whose masks were deferred died with them."""
+        self._deferred = None
 
     def shutdown(self) -> None:
         self._compilers.shutdown()
+
+
+def _constraint_of(request: Request | None) -> GrammarConstraint | None:
+    if request is None or not isinstance(request.constraint, GrammarConstraint):
+        return None
+    return request.constraint

@@ -10,7 +10,9 @@ step N+1 (this diff, inputs, launches) overlaps the GPU running step N. A call l
 forward, then waits for the previous step's sampled tokens (an event, not a device sync: the new
 forward stays queued), writes them into the requests' token histories, samples its own step and
 starts copying those tokens to the host. An input the scheduler sent as a placeholder is taken
-from the previous step's sampled tokens on the device.
+from the previous step's sampled tokens on the device. A step marked grammar_deferred (its
+constrained requests' masks wait on the previous step's tokens) keeps its logits instead of
+sampling; the next call brings the masks and samples it first, before anything of its own.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class ModelRunner:
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.async_output = async_output
         self.in_flight = InFlightTokens(device)  # async_output: the step not answered yet
+        # A grammar_deferred step's inputs and logits, sampled when the next call brings its masks.
+        self._deferred: tuple[StepInputs, torch.Tensor | None] | None = None
 
     def capture_cuda_graphs(self, max_num_seqs: int, piecewise_max_tokens: int | None) -> None:
         """Full graphs for decode-only steps and, unless piecewise_max_tokens is None, piecewise
@@ -114,6 +118,7 @@ class ModelRunner:
         self.kv_caches.clear()
         self.requests.clear()
         self.in_flight.clear()
+        self._deferred = None
 
     # ---- applying the diff -------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -232,6 +237,8 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the step; rank 0 returns its sampled tokens (async_output: the previous step's,
         an empty output for the first step)."""
+        if self._deferred is not None:
+            self._sample_deferred(out)
         self._update_states(out)
         if out.total_num_scheduled_tokens == 0:
             if self.async_output:
@@ -256,12 +263,26 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden if step.sample_rows is None
                                                else hidden[step.sample_rows])
             if out.grammar_bitmask is not None and self.is_driver:
-                self._apply_grammar(out, row_states, logits)
+                self._apply_grammar(out.grammar_bitmask, out.grammar_req_ids, row_states, logits)
         if not self.async_output:
             return self._sample(step, logits, sync=True)
         previous = self._take_previous()  # the histories need its tokens before this step samples
-        self._sample(step, logits, sync=False)
+        if out.grammar_deferred:
+            self._deferred = (step, logits)
+        else:
+            self._sample(step, logits, sync=False)
         return previous
+
+    def _sample_deferred(self, out: SchedulerOutput) -> None:
+        """Sample the grammar_deferred step kept by the last call, with the masks `out` brings."""
+        assert self._deferred is not None
+        step, logits = self._deferred
+        self._deferred = None
+        if out.deferred_bitmask is None:
+            raise RuntimeError("the step after a grammar_deferred one must bring its masks")
+        if logits is not None and self.is_driver:
+            self._apply_grammar(out.deferred_bitmask, out.deferred_req_ids, step.row_states, logits)
+        self._sample(step, logits, sync=False)
 
     def _sample(self, step: StepInputs, logits: torch.Tensor | None,
                 sync: bool) -> ModelRunnerOutput | None:
@@ -316,18 +337,18 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def _apply_grammar(out: SchedulerOutput, row_states: list[CachedRequestState],
+    def _apply_grammar(bitmask: object, req_ids: list[str], row_states: list[CachedRequestState],
                        logits: torch.Tensor) -> None:
-        """Mask the sampled rows of the step's constrained requests (every sample row of an
-        n > 1 prompt gets its request's mask)."""
-        mask_row = {req_id: i for i, req_id in enumerate(out.grammar_req_ids)}
+        """Mask the sampled rows of the step's constrained requests, bitmask row i being
+        req_ids[i]'s (every sample row of an n > 1 prompt gets its request's mask)."""
+        mask_row = {req_id: i for i, req_id in enumerate(req_ids)}
         logit_rows, mask_rows = [], []
         for row, state in enumerate(row_states):
             k = mask_row.get(state.req_id)
             if k is not None:
                 logit_rows.append(row)
                 mask_rows.append(k)
-        apply_grammar_bitmask(logits, cast(np.ndarray, out.grammar_bitmask), logit_rows, mask_rows)
+        apply_grammar_bitmask(logits, cast(np.ndarray, bitmask), logit_rows, mask_rows)
 
     def _take_previous(self) -> ModelRunnerOutput | None:
         """The previous step's answer (an empty one after a step that ran nothing)."""

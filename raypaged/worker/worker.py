@@ -54,7 +54,8 @@ class Worker:
         self.world_size = world_size
         self.distributed_init_method = distributed_init_method
         self.local_rank = local_rank
-        self.model_config = ModelConfig.from_pretrained(model_dir)
+        # At the engine's max_model_len: a rope may depend on it (longrope's short/long factors).
+        self.model_config = ModelConfig.from_pretrained(model_dir, config.scheduler.max_model_len)
         self.device = resolve_device(config.model_settings.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
@@ -80,7 +81,7 @@ class Worker:
         torch.manual_seed(self.config.model_settings.seed)
 
     def load_model(self) -> None:
-        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
+        self.model = load_model(self.model_config, dtype=self.dtype, device=self.device,
                                 load_format=self.config.model_settings.load_format,
                                 seed=self.config.model_settings.seed)
 

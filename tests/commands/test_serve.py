@@ -4,6 +4,7 @@ validated by the openai package's types; SIGTERM stops both front doors and exit
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -31,7 +32,8 @@ MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers.
 @pytest.fixture(scope="module")
 def served():
     launched = Launched("--device", "cpu", "--port", "0", "--grpc-port", "0",
-                        "--num-gpu-blocks-override", "64", ready=READY, command="serve")
+                        "--num-gpu-blocks-override", "64", "--tool-call-parser", "hermes",
+                        "--enable-auto-tool-choice", ready=READY, command="serve")
     try:
         launched.wait_ready()
         yield launched
@@ -110,6 +112,23 @@ def test_errors_in_openais_shape(served):
     with pytest.raises(openai.BadRequestError) as bad:
         api(served).completions.create(model="demo", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
     assert "echo with logprobs" in bad.value.body["message"]
+
+
+def test_tool_calls_named_enforced_and_auto_parsed(served):
+    """The demo model has no tool template: a named choice is the grammar's, so it parses all the
+    same; auto reads the model's text with the hermes parser (--tool-call-parser)."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+        "additionalProperties": False}}}
+    named = valid(api(served).chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=40, temperature=0.0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "pick"}}))
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["color"] in ("red", "blue")
+    assert named.choices[0].finish_reason == "tool_calls"
+    auto = valid(api(served).chat.completions.create(model="demo", messages=MESSAGES, max_tokens=8,
+                                                     temperature=0.0, tools=[tool]))
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_sigterm_stops_both_front_doors(served):

@@ -13,7 +13,7 @@ import ray
 
 from raypaged import LLM, SamplingParams
 from raypaged.llm import RequestsFailedError
-from tests.support.checkpoints import checkpoint_dir
+from tests.support.checkpoints import CHECKPOINTS, checkpoint_dir
 from tests.support.hf_oracle import assert_matches_hf, hf_greedy, random_prompts, vocab_of
 from tests.support.ray_state import live_actors, live_placement_groups
 
@@ -38,12 +38,15 @@ def generate(name: str, prompts, tp: int, params=GREEDY, **kwargs):
 
 
 # llama: 4 query / 2 KV heads (TP=4 replicates KV heads); llama3-rope: one KV head (replicated
-# at TP=2); qwen2: qkv biases.
-@pytest.mark.parametrize("name,tp", [("llama", 2), ("llama", 4), ("llama3-rope", 2), ("qwen2", 2)])
+# at TP=2); qwen2: qkv biases; qwen3: per-head q/k norms, 3 query heads per rank (slow: the
+# spawned-rank TP test runs it by default); phi3: fused qkv / gate_up tensors split per rank.
+@pytest.mark.parametrize("name,tp", [("llama", 2), ("llama", 4), ("llama3-rope", 2), ("qwen2", 2),
+                                     pytest.param("qwen3", 2, marks=pytest.mark.slow), ("phi3", 2)])
 def test_tp_greedy_equals_tp1_and_transformers(name, tp):
     prompts = random_prompts([3, 18, 33], vocab_of(name), seed=11)
-    tp1 = generate(name, prompts, 1)
-    tpn = generate(name, prompts, tp)
+    max_model_len = CHECKPOINTS[name].max_model_len  # phi3: its short factors, as transformers'
+    tp1 = generate(name, prompts, 1, max_model_len=max_model_len)
+    tpn = generate(name, prompts, tp, max_model_len=max_model_len)
     assert [r.outputs[0].token_ids for r in tpn] == [r.outputs[0].token_ids for r in tp1]
     assert_matches_hf(name, prompts, tpn, max_tokens=8)
 
@@ -67,6 +70,28 @@ def test_prefix_caching_chunked_prefill_and_preemption_under_tp2(async_schedulin
     assert stats.num_preemptions > 0
     assert stats.kv_cache.prefix_cache_hits > 0
     assert_matches_hf("llama", prompts, results, max_tokens=20)
+
+
+def test_structured_outputs_under_tp2_with_async_scheduling_on_a_small_pool():
+    """Constrained requests under TP 2, async: rank 0 masks its logits with the deferred masks
+    and broadcasts the tokens; outputs equal a sync TP 1 run's, plain neighbours transformers'."""
+    from raypaged.core.structured_output import StructuredOutput
+
+    vocab = vocab_of("llama")
+    prefix = random_prompts([24], vocab, seed=14)[0]
+    prompts = random_prompts([9, 20, 14, 3], vocab, seed=15, prefix=prefix)
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    regex = SamplingParams(temperature=0.0, max_tokens=16,
+                           structured_output=StructuredOutput(regex=r"[a-e]{4,30}"))
+    choice = SamplingParams(temperature=0.0, max_tokens=16,
+                            structured_output=StructuredOutput(choice=("yes", "no", "maybe so")))
+    params = [plain, regex, choice, regex]
+    common = dict(block_size=8, max_num_batched_tokens=16, num_gpu_blocks_override=16)
+    tp2 = generate("llama", prompts, 2, params, async_scheduling=True, **common)
+    tp1 = generate("llama", prompts, 1, params, async_scheduling=False, **common)
+    assert [r.outputs[0].token_ids for r in tp2] == [r.outputs[0].token_ids for r in tp1]
+    assert tp2[2].outputs[0].text in ("yes", "no", "maybe so")
+    assert_matches_hf("llama", prompts[:1], tp2[:1], max_tokens=16)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -35,8 +35,8 @@ def hf_model(name: str) -> torch.nn.Module:
 
 @functools.cache
 def our_model(name: str) -> tuple[torch.nn.Module, ModelConfig]:
-    path = checkpoint_dir(name)
-    return load_model(path, dtype=torch.float32, progress=False), ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(checkpoint_dir(name), CHECKPOINTS[name].max_model_len)
+    return load_model(config, dtype=torch.float32, progress=False), config
 
 
 def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int) -> dict[str, list[int]]:
@@ -84,9 +84,12 @@ def test_prompt_prefilled_one_token_per_step_matches_transformers() -> None:
     torch.testing.assert_close(harness.logits_of("req0"), expected, rtol=1e-5, atol=2e-5)
 
 
-def test_triton_kernels_under_interpreter_match_transformers() -> None:
+# qwen3-tied: head norms and yarn's attention factor on the kernels' tables; phi3-partial: the
+# kernel rotating each head's leading dims in place.
+@pytest.mark.parametrize("name", ["llama", "qwen3-tied", "phi3-partial"])
+def test_triton_kernels_under_interpreter_match_transformers(name: str) -> None:
     """The same model path through the Triton kernels (TRITON_INTERPRET=1 on CPU)."""
-    model, config = our_model("llama")
+    model, config = our_model(name)
     harness = PagedHarness(model, config, block_size=16, num_blocks=12, seed=5)
     prompts = random_prompts(config.vocab_size, (3, 9, 20), seed=11)
     ops.set_backend("triton")
@@ -97,6 +100,6 @@ def test_triton_kernels_under_interpreter_match_transformers() -> None:
     for req, prompt in prompts.items():
         computed = harness.tokens[req][: harness.num_computed[req]]
         with torch.no_grad():
-            expected = hf_model("llama")(torch.tensor([computed])).logits[0]
+            expected = hf_model(name)(torch.tensor([computed])).logits[0]
         torch.testing.assert_close(harness.logits_of(req), expected, rtol=1e-4, atol=1e-4)
         assert generated[req] == expected[len(prompt) - 1 :].argmax(-1).tolist()[: len(generated[req])]

@@ -224,8 +224,9 @@ def test_each_rank_holds_its_slices():
         torch.testing.assert_close(merged, param, rtol=0, atol=0, msg=name)
 
 
-def test_rank_reads_only_its_share_of_the_checkpoint():
-    path = checkpoint_dir("llama")
+@pytest.mark.parametrize("name", ["llama", "phi3"])  # phi3: its rows of the fused tensors
+def test_rank_reads_only_its_share_of_the_checkpoint(name):
+    path = checkpoint_dir(name)
     one = load_weights(load_model(path, load_format="dummy", progress=False), path, progress=False)
     parallel.init_tensor_parallel(rank=1, world_size=2)
     half = load_weights(load_model(path, load_format="dummy", progress=False), path, progress=False)

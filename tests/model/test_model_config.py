@@ -48,7 +48,7 @@ def test_transformers5_layout_rope_parameters():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not supported"),
+        (dict(rope_scaling={"rope_type": "proportional", "factor": 4.0}), "rope type .proportional. is not supported"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3 rope scaling is missing 'low_freq_factor'"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),

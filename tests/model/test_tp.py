@@ -36,9 +36,11 @@ def _cases() -> dict[str, tuple[ModelConfig, str]]:
     cases = {
         # 4 query / 2 KV heads: one KV head per rank
         name: (ModelConfig.from_pretrained(checkpoint_dir(name)), "auto")
-        for name in ("llama", "llama3-rope", "llama-tied", "qwen2", "gemma2", "gemma3",
-                     "mistral-window")
+        for name in ("llama", "llama3-rope", "llama-tied", "qwen2", "qwen3", "phi3", "phi3-partial",
+                     "gemma2", "gemma3", "mistral-window")
     }  # llama3-rope: one KV head, replicated; llama-tied: biases (row-parallel bias added once)
+    # qwen3: 3 query heads per rank, per-head norms replicated; phi3: the fused tensors split per
+    # rank (long factors: served at 256); phi3-partial: partial rotary, its one KV head replicated
     # Random weights, 1 KV head, and an odd vocabulary so the vocab-parallel shards are padded.
     dummy = ModelConfig.from_dict(
         dict(
@@ -118,6 +120,18 @@ def test_tp2_matches_tp1_tied_embeddings_and_biases():
 
 def test_tp2_matches_tp1_qwen2_qkv_bias():
     _check("qwen2")
+
+
+def test_tp2_matches_tp1_qwen3_head_norms():
+    _check("qwen3")
+
+
+def test_tp2_matches_tp1_phi3_fused_weights():
+    _check("phi3")
+
+
+def test_tp2_matches_tp1_phi3_partial_rotary_replicated_kv_head():
+    _check("phi3-partial")
 
 
 @pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "gemma3",

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import jsonschema
 import openai
 import pytest
 import ray
@@ -56,7 +57,8 @@ def server():
         serve.start(http_options={"host": "127.0.0.1", "port": ports["http"]},
                     grpc_options={"port": ports["grpc"], "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]})
         model = str(checkpoint_dir("llama"))
-        serve.run(build_app({"model": model, "num_replicas": 2, **ENGINE_ARGS}), name=APP, route_prefix="/")
+        serve.run(build_app({"model": model, "num_replicas": 2, "tool_call_parser": "hermes",
+                             "enable_auto_tool_choice": True, **ENGINE_ARGS}), name=APP, route_prefix="/")
         yield {**ports, "model": model, "base": f"http://127.0.0.1:{ports['http']}"}
     finally:
         serve.shutdown()
@@ -397,12 +399,37 @@ def test_tensor_parallel_replica_places_workers_in_its_bundles(server, oracle):
         response = api.completions.create(model="llama", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                           temperature=0.0, extra_body={"ignore_eos": True})
         assert response.choices[0].text == oracle["outputs"][0].text
+        [call] = _named_call(api).choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SWITCH["function"]["parameters"])
     finally:
         serve.delete("tp2")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and set(live_placement_groups()) != groups_before:
         time.sleep(0.2)
     assert set(live_placement_groups()) == groups_before
+
+SWITCH = {"type": "function", "function": {"name": "switch", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}}}
+
+
+def _named_call(api: openai.OpenAI):
+    return api.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "Lights on?"}], max_tokens=40, temperature=0.0,
+        tools=[SWITCH], tool_choice={"type": "function", "function": {"name": "switch"}})
+
+
+def test_tool_calls_through_the_serve_app(server):
+    """A named choice is enforced (the arguments validate) and streams the same; auto reaches the
+    hermes parser the app's args name."""
+    whole = _named_call(client(server))
+    [call] = whole.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SWITCH["function"]["parameters"])
+    assert whole.choices[0].finish_reason == "tool_calls"
+    auto = client(server).chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "Lights on?"}], max_tokens=4, temperature=0.0,
+        tools=[SWITCH])
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
 
 @pytest.mark.skipif(demo_model_missing(), reason="the built-in demo model (raypaged/demo_model) is not built")
 def test_demo_model_from_serve_config(server):

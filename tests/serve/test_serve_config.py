@@ -216,8 +216,9 @@ def test_unsupported_completion_features_are_refused(body, message):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, r"tools\[0\].function must be an object"),
+    ({"tool_choice": "auto"}, "tool_choice 'auto' needs a non-empty tools list"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "--enable-auto-tool-choice"),
     ({"response_format": {"type": "xml"}}, "response_format type .xml. is not supported"),
     ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),

@@ -38,11 +38,14 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: unk, bos, eos
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "gemma2" | "gemma3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
     config: dict[str, Any] = field(default_factory=dict)  # overrides of _BASE
     dtype: torch.dtype = torch.float32
     max_shard_size: str | None = None  # set: save sharded with model.safetensors.index.json
     seed: int = 0
+    # The max_model_len the model tests serve it at (None: the config's), for ropes whose
+    # frequencies depend on it (longrope: short factors up to original_max_position_embeddings).
+    max_model_len: int | None = None
 
 
 _BASE: dict[str, Any] = dict(
@@ -88,6 +91,54 @@ CHECKPOINTS: dict[str, CheckpointSpec] = {
     # A sliding window above every length the tests use (mistral-window: one below them).
     "mistral": CheckpointSpec("mistral", dict(sliding_window=128, head_dim=16), seed=7),
     "qwen2": CheckpointSpec("qwen2", dict(rope_theta=1000000.0), seed=8),
+    # Qwen2.5 long context: yarn over an original context of 64 (so some frequencies are kept,
+    # some interpolated, some ramped, within head_dim 16), attention factor 0.1·ln 4 + 1.
+    "qwen2-yarn": CheckpointSpec(
+        "qwen2",
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+        seed=9,
+    ),
+    # Dynamic NTK: served up to max_position_embeddings, where it is the unscaled rope.
+    "llama-dynamic": CheckpointSpec(
+        "llama", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), seed=10
+    ),
+    # Qwen3: q/k norms, head_dim 16 with 6 query heads (hidden / heads is not even an integer),
+    # 3 per rank at tp = 2.
+    "qwen3": CheckpointSpec(
+        "qwen3", dict(num_attention_heads=6, head_dim=16, rope_theta=1000000.0), seed=11
+    ),
+    # Qwen3 with tied embeddings, attention biases, one KV head, head_dim 32 and yarn.
+    "qwen3-tied": CheckpointSpec(
+        "qwen3",
+        dict(
+            tie_word_embeddings=True, attention_bias=True, num_key_value_heads=1, head_dim=32,
+            rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=128,
+                              beta_fast=16, beta_slow=2),
+        ),
+        seed=12,
+    ),  # fmt: skip
+    # Phi-3 128k-style longrope: distinct short and long factors, attention factor from
+    # max_position_embeddings / original (256 / 64). Served at 64 here: the short factors.
+    "phi3": CheckpointSpec(
+        "phi3",
+        dict(
+            original_max_position_embeddings=64,
+            rope_scaling=dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                              long_factor=[1.5 + 0.5 * i for i in range(8)]),
+        ),
+        seed=13,
+        max_model_len=64,
+    ),  # fmt: skip
+    # Phi-4-mini-style: partial rotary (12 of 16 dims), tied embeddings, one KV head, no scaling.
+    "phi3-partial": CheckpointSpec(
+        "phi3",
+        dict(partial_rotary_factor=0.75, tie_word_embeddings=True, num_key_value_heads=1),
+        seed=14,
+    ),
+}
+# Every Phi-3 checkpoint: the tokenizer's pad id (Phi3Config defaults to 32000) and no window.
+_ARCHITECTURE_BASE: dict[str, dict[str, Any]] = {
+    "phi3": dict(pad_token_id=0, sliding_window=None),
     # Sliding windows of a few tokens, so prompts and generations run several windows long.
     "mistral-window": CheckpointSpec("mistral", dict(sliding_window=8, head_dim=16), seed=9),
     # Alternate local (window 8) and global layers, soft caps near the scores' and logits' size
@@ -119,6 +170,8 @@ def _classes(architecture: str) -> tuple[type, type]:
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }[architecture]
@@ -164,7 +217,8 @@ def build_checkpoint(out_dir: Path, spec: CheckpointSpec) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = build_tokenizer(out_dir)
     config_class, model_class = _classes(spec.architecture)
-    config = config_class(**{**_BASE, "vocab_size": vocab_size, **spec.config})
+    config = config_class(**{**_BASE, **_ARCHITECTURE_BASE.get(spec.architecture, {}),
+                             "vocab_size": vocab_size, **spec.config})
     model = model_class(config)
     _randomise(model, spec.seed)
     model = model.to(spec.dtype)
