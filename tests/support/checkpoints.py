@@ -135,10 +135,6 @@ CHECKPOINTS: dict[str, CheckpointSpec] = {
         dict(partial_rotary_factor=0.75, tie_word_embeddings=True, num_key_value_heads=1),
         seed=14,
     ),
-}
-# Every Phi-3 checkpoint: the tokenizer's pad id (Phi3Config defaults to 32000) and no window.
-_ARCHITECTURE_BASE: dict[str, dict[str, Any]] = {
-    "phi3": dict(pad_token_id=0, sliding_window=None),
     # Sliding windows of a few tokens, so prompts and generations run several windows long.
     "mistral-window": CheckpointSpec("mistral", dict(sliding_window=8, head_dim=16), seed=9),
     # Alternate local (window 8) and global layers, soft caps near the scores' and logits' size
@@ -160,6 +156,10 @@ _ARCHITECTURE_BASE: dict[str, dict[str, Any]] = {
                                                  "rope_theta": 1000000.0}}),
         seed=11,
     ),
+}
+# Every Phi-3 checkpoint: the tokenizer's pad id (Phi3Config defaults to 32000) and no window.
+_ARCHITECTURE_BASE: dict[str, dict[str, Any]] = {
+    "phi3": dict(pad_token_id=0, sliding_window=None),
 }
 
 
