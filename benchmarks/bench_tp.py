@@ -181,7 +181,7 @@ def skip_reason(model_dir: Path, tp: int, dtype: torch.dtype, fraction: float) -
         return f"{tp} ranks need {tp} GPUs; this machine has {torch.cuda.device_count()}"
     from raypaged.model import parallel
     from raypaged.model.config import ModelConfig
-    from raypaged.model.llama import MODEL_REGISTRY
+    from raypaged.model.registry import MODEL_REGISTRY
 
     config = ModelConfig.from_pretrained(model_dir)
     parallel.init_tensor_parallel(rank=0, world_size=tp)  # rank 0 holds the most (vocab padding)

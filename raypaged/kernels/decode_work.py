@@ -24,6 +24,10 @@ One program computes the list on the device from seq_lens (`plan_decode_work`), 
 every layer's decode reads the same list. Layout, int32 [WORK_FIELDS, max_items]: rows ITEM_* per
 work item, SEQ_* per sequence, MERGES the split sequences. `plan` is the same arithmetic on the
 host, for tests and benchmarks.
+
+A sliding-window layer (window W) gets its own list: each sequence is planned as its last
+min(len, W) keys, its items offset to start at len - min(len, W), so nothing before the window
+is read and a 32k sequence under a 4k window costs 4k of bytes.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ def _items_of(lens, chunk, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _in_window(lens, window):
+    """The keys a sequence's last query reads: all of them, or the last `window` (window > 0)."""
+    return tl.where(window > 0, tl.minimum(lens, window), lens)
+
+
+@triton.jit
 def _maximum(a, b):
     return tl.maximum(a, b)
 
@@ -79,16 +89,17 @@ def _size_class(lens, chunk, NUM_CLASSES: tl.constexpr):
 
 
 # Ints that vary from step to step are left unspecialised: no variant compiles mid-serving.
-@triton.jit(do_not_specialize=["num_seqs", "width", "target_items", "min_chunk"])
+@triton.jit(do_not_specialize=["num_seqs", "width", "target_items", "min_chunk", "window"])
 def _plan_kernel(seq_lens_ptr, item_seq_ptr, item_start_ptr, item_end_ptr, item_count_ptr,
                  seq_first_ptr, seq_count_ptr, seq_item_len_ptr, merges_ptr, seq_order_ptr,
-                 num_seqs, width, target_items, min_chunk, ALIGN: tl.constexpr,
+                 num_seqs, width, target_items, min_chunk, window, ALIGN: tl.constexpr,
                  NUM_CLASSES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_inputs(USE_PDL)
     total = 0
     for start in range(0, num_seqs, BLOCK):
         index = start + tl.arange(0, BLOCK)
-        total += tl.sum(tl.load(seq_lens_ptr + index, mask=index < num_seqs, other=0))
+        total += tl.sum(_in_window(tl.load(seq_lens_ptr + index, mask=index < num_seqs, other=0),
+                                   window))
     chunk = tl.maximum(tl.cdiv(total, target_items), min_chunk)
 
     # Sequences are ranked class by class (in index order within one); each marks its first item
@@ -106,7 +117,7 @@ def _plan_kernel(seq_lens_ptr, item_seq_ptr, item_start_ptr, item_end_ptr, item_
         for start in range(0, num_seqs, BLOCK):
             index = start + tl.arange(0, BLOCK)
             valid = index < num_seqs
-            lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
+            lens = _in_window(tl.load(seq_lens_ptr + index, mask=valid, other=0), window)
             items, item_len = _items_of(lens, chunk, ALIGN)
             mine = valid & (_size_class(lens, chunk, NUM_CLASSES) == size_class)
             counted = tl.where(mine, items, 0)
@@ -137,7 +148,7 @@ def _plan_kernel(seq_lens_ptr, item_seq_ptr, item_start_ptr, item_end_ptr, item_
         count = tl.load(seq_count_ptr + seq, mask=in_plan, other=0)
         item_len = tl.load(seq_item_len_ptr + seq, mask=in_plan, other=0)
         length = tl.load(seq_lens_ptr + seq, mask=in_plan, other=0)
-        begin = (index - first) * item_len
+        begin = (index - first) * item_len + length - _in_window(length, window)
         tl.debug_barrier()  # every lane has read its marks before any is overwritten
         stored = index < width
         tl.store(item_seq_ptr + index, tl.where(in_plan, seq, -1), mask=stored)
@@ -147,13 +158,17 @@ def _plan_kernel(seq_lens_ptr, item_seq_ptr, item_start_ptr, item_end_ptr, item_
 
 
 def plan_decode_work(seq_lens: torch.Tensor, target_items: int, min_chunk_tokens: int, align: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, *,
+                     sliding_window: int | None = None) -> torch.Tensor:
     """The work list of a decode batch with these seq_lens [S] int32 (module docstring), into
     `out` (int32 [WORK_FIELDS, max_items(S, target_items)], e.g. a CUDA graph's static buffer) if given.
-    One small launch, no host synchronisation."""
+    With a sliding window, only each sequence's last `sliding_window` keys. One small launch, no
+    host synchronisation."""
     if target_items < 1 or min_chunk_tokens < 1 or align < 1:
         raise ValueError(f"target_items ({target_items}), min_chunk_tokens ({min_chunk_tokens}) "
                          f"and align ({align}) must be >= 1")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     width = max_items(seq_lens.shape[0], target_items)
     if out is None:
         out = torch.empty((WORK_FIELDS, width), dtype=torch.int32, device=seq_lens.device)
@@ -161,7 +176,7 @@ def plan_decode_work(seq_lens: torch.Tensor, target_items: int, min_chunk_tokens
         raise ValueError(f"work list buffer must be contiguous int32 {(WORK_FIELDS, width)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
     _plan_kernel[(1,)](seq_lens, *out, seq_lens.shape[0], width, target_items, min_chunk_tokens,
-                       ALIGN=align, NUM_CLASSES=NUM_SIZE_CLASSES,
+                       sliding_window or 0, ALIGN=align, NUM_CLASSES=NUM_SIZE_CLASSES,
                        BLOCK=PLAN_BLOCKS[0] if width <= PLAN_BLOCKS[0] else PLAN_BLOCKS[1], num_warps=4,
                        **pdl_launch(seq_lens))
     return out
@@ -185,8 +200,12 @@ class WorkItem:
     end: int  # one past the last
 
 
-def plan(seq_lens: list[int], target_items: int, min_chunk: int, align: int) -> list[WorkItem]:
+def plan(seq_lens: list[int], target_items: int, min_chunk: int, align: int,
+         sliding_window: int | None = None) -> list[WorkItem]:
     """The work list's items for `seq_lens`, in its order (host ints; tests, benchmarks)."""
+    full_lens = seq_lens
+    if sliding_window is not None:
+        seq_lens = [min(n, sliding_window) for n in seq_lens]
     chunk = max(_cdiv(sum(seq_lens), target_items), min_chunk)
     thresholds = [chunk // 4**k for k in range(NUM_SIZE_CLASSES - 1)]
     items: list[WorkItem] = []
@@ -195,7 +214,9 @@ def plan(seq_lens: list[int], target_items: int, min_chunk: int, align: int) -> 
         wanted = max(length // chunk, 1)
         item_len = _cdiv(_cdiv(length, wanted), align) * align
         count = _cdiv(length, item_len) if item_len else 1
-        items += [WorkItem(seq, i * item_len, min((i + 1) * item_len, length)) for i in range(count)]
+        skipped = full_lens[seq] - length  # keys before the window
+        items += [WorkItem(seq, skipped + i * item_len, skipped + min((i + 1) * item_len, length))
+                  for i in range(count)]
     return items
 
 

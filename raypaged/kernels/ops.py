@@ -188,31 +188,38 @@ def paged_decode(
     out: torch.Tensor | None = None,
     *,
     work: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per request over its paged context. q [S, Hq, D] -> [S, Hq, D]. The launches
     depend on shapes only (CUDA-graph capturable for any mix of lengths).
 
-    work: the step's work list from `plan_decode` (None: planned in this call)."""
+    work: the step's work list from `plan_decode` (None: planned in this call), planned with
+    the same sliding_window: the window's keys (p - W, p] are all a query reads, the blocks
+    before it are not touched. softcap: scores = softcap · tanh(scores / softcap)."""
     if backend_for(q) == "torch":
-        result = reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        result = reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                            sliding_window=sliding_window, softcap=softcap)
         return _into(out, result)
     from .paged_decode import paged_decode_triton
 
     return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                               work=work)
+                               work=work, sliding_window=sliding_window, softcap=softcap)
 
 
 def plan_decode(seq_lens: torch.Tensor, num_kv_heads: int,
-                out: torch.Tensor | None = None) -> torch.Tensor | None:
+                out: torch.Tensor | None = None, *,
+                sliding_window: int | None = None) -> torch.Tensor | None:
     """The decode work list of a step's seq_lens [S] for a pool of num_kv_heads: how the batch's
     KV is cut into equal items (kernels/decode_work.py). Computed once a step, read by every
     layer's `paged_decode`; into `out` (a CUDA graph's buffer, this call's earlier result) if
-    given. None on the torch backend, which needs none."""
+    given. With a sliding window the items cover only each sequence's last `sliding_window`
+    keys (the layers of that window read this list). None on the torch backend, which needs none."""
     if backend_for(seq_lens) == "torch":
         return None
     from .paged_decode import plan_work
 
-    return plan_work(seq_lens, num_kv_heads, out=out)
+    return plan_work(seq_lens, num_kv_heads, out=out, sliding_window=sliding_window)
 
 
 def paged_prefill(
@@ -227,23 +234,27 @@ def paged_prefill(
     *,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens q [T, Hq, D] over cached prefix + themselves.
 
     k_new / v_new [T, Hkv, D]: the step's keys/values just written for q's tokens. Optional;
     the Triton kernel reads the new tokens from them instead of through the block table (the
-    reference reads the cache either way).
+    reference reads the cache either way). sliding_window, softcap: as `paged_decode`'s (the
+    kernel skips every tile wholly before its queries' windows).
     """
     if backend_for(q) == "torch":
         result = reference.paged_prefill_ref(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+            sliding_window=sliding_window, softcap=softcap,
         )
         return _into(out, result)
     from .paged_prefill import paged_prefill_triton
 
     return paged_prefill_triton(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
-        k_new=k_new, v_new=v_new,
+        k_new=k_new, v_new=v_new, sliding_window=sliding_window, softcap=softcap,
     )
 
 

@@ -10,6 +10,10 @@ grid (split-sequence bound, num_q_heads): each split sequence's head merges its 
 by their log-sum-exp, all items in one load; entries past the batch's split sequences exit at
 once. Both grids depend on shapes only, so one CUDA graph per batch size serves any mix of
 lengths, and nothing is read on the host.
+
+A sliding window needs nothing here: its work list (planned with the window) starts each
+sequence's items at the window's first key. Soft-capping (SOFTCAP) maps each score s to
+c · tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from .decode_work import (
     plan_decode_work,
 )
 from .pdl import pdl_launch, wait_for_inputs
-from .triton_common import LOG2_E, dot, dot_mode, num_sms
-from .validation import check_decode_inputs, output_for
+from .triton_common import dot, dot_mode, num_sms, softcap_scales, tanh
+from .validation import check_decode_inputs, check_window_and_softcap, output_for
 
 
 # The block table's row stride is the widest table of the step: left unspecialised, so a width
@@ -51,6 +55,7 @@ def _decode_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     scale_log2,
+    softcap_log2,
     stride_q_seq,
     stride_q_head,
     stride_cache_block,
@@ -67,7 +72,9 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     DOT_MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
+    # SOFTCAP: scale_log2 is scale / cap and softcap_log2 is cap · log2(e) (softcap_scales).
     wait_for_inputs(USE_PDL)
     # Heads innermost: the GPU starts programs in grid order, and the list's is largest first.
     kv_head = tl.program_id(0)
@@ -106,6 +113,8 @@ def _decode_kernel(
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = dot(q, tl.trans(k), DOT_MODE) * scale_log2
+        if SOFTCAP:
+            scores = tanh(scores) * softcap_log2
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -192,13 +201,15 @@ def default_target_items(num_kv_heads: int, sm_count: int) -> int:
 
 def plan_work(seq_lens: torch.Tensor, num_kv_heads: int, *, target_items: int | None = None,
               min_chunk_tokens: int = MIN_TOKENS_PER_ITEM, align: int | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The step's decode work list (decode_work.py) with this kernel's defaults: computed once a
-    step and passed to every layer's `paged_decode_triton`."""
+    step and passed to every layer's `paged_decode_triton` (with a sliding window: every layer
+    of that window)."""
     if target_items is None:
         target_items = default_target_items(num_kv_heads, num_sms(seq_lens.device))
     align = align or default_launch_config(128, torch.bfloat16)["tile_n"]
-    return plan_decode_work(seq_lens, target_items, min_chunk_tokens, align, out=out)
+    return plan_decode_work(seq_lens, target_items, min_chunk_tokens, align, out=out,
+                            sliding_window=sliding_window)
 
 
 def default_launch_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -227,9 +238,15 @@ def paged_decode_triton(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged decode, q [S, Hq, D] -> [S, Hq, D]. No host synchronisation; the launches depend on
     shapes only.
+
+    sliding_window: each query reads only its last sliding_window keys; a `work` list given
+    must have been planned with the same window (plan_work(..., sliding_window=)), which is
+    where the window lives. softcap: scores = softcap · tanh(scores / softcap).
 
     work: the step's work list from `plan_work(seq_lens, ...)`; without one it is planned here
     (one more small launch) with target_items (items per KV head; default: enough to fill the
@@ -237,6 +254,7 @@ def paged_decode_triton(
     override the tuned launch config (benchmarks and tests).
     """
     check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    check_window_and_softcap(sliding_window, softcap)
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = output_for(q, out)
@@ -246,7 +264,8 @@ def paged_decode_triton(
     tile_n = tile_n or config["tile_n"]
     if work is None:
         work = plan_work(seq_lens, num_kv_heads, target_items=target_items,
-                         min_chunk_tokens=min_chunk_tokens, align=tile_n)
+                         min_chunk_tokens=min_chunk_tokens, align=tile_n,
+                         sliding_window=sliding_window)
     width = work.shape[1]
     if work.dtype != torch.int32 or work.shape[0] != WORK_FIELDS or width <= num_seqs \
             or work.device != q.device or not work.is_contiguous():
@@ -256,6 +275,7 @@ def paged_decode_triton(
     dim_pad = triton.next_power_of_2(head_dim)
     partial_out = torch.empty((width, num_q_heads, dim_pad), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((width, num_q_heads), dtype=torch.float32, device=q.device)
+    scale_arg, softcap_arg = softcap_scales(scale, softcap)
     _decode_kernel[(num_kv_heads, width)](
         q,
         k_cache,
@@ -268,7 +288,8 @@ def paged_decode_triton(
         out,
         partial_out,
         partial_lse,
-        scale * LOG2_E,
+        scale_arg,
+        softcap_arg,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -285,6 +306,7 @@ def paged_decode_triton(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         DOT_MODE=dot_mode(q),
+        SOFTCAP=softcap is not None,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
         **pdl_launch(q),

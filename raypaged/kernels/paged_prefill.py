@@ -14,6 +14,10 @@ Where the keys come from (NEW_KV):
 Each source runs an unmasked loop over the tiles every row of the program sees in full (no
 causal mask, no bounds checks) and a masked loop over the rest (the diagonal, a ragged end).
 
+A sliding window W (HAS_WINDOW; query p sees keys (p - W, p]) adds a masked loop at the window's
+lower edge and skips every tile wholly before the program's earliest window: those K/V are never
+loaded. Soft-capping (SOFTCAP) maps each score s to c · tanh(s / c) before the softmax.
+
 The grid is (num_q_heads, num_tokens // BLOCK_M + num_seqs): the second is an upper bound on the
 query tiles of any varlen batch of that many tokens and requests, so it depends on shapes only.
 Request s owns tile indices from query_start_loc[s] // BLOCK_M + s on; each program finds its
@@ -26,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import LOG2_E, dot, dot_mode
-from .validation import check_prefill_inputs, output_for
+from .triton_common import dot, dot_mode, softcap_scales, tanh
+from .validation import check_prefill_inputs, check_window_and_softcap, output_for
 
 try:  # host-side TMA descriptors: triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -46,16 +50,45 @@ def _load_tile(ptrs, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _window_keep(keep, key_pos, query_pos, window, HAS_WINDOW: tl.constexpr):
+    """keep, and the key within the query's sliding window (p - window, p]."""
+    if HAS_WINDOW:
+        keep = keep & (key_pos[None, :] > query_pos[:, None] - window)
+    return keep
+
+
+@triton.jit
+def _window_tiles(key_floor, key_full, origin, split, BLOCK_N: tl.constexpr):
+    """On a tile grid from `origin`: the first tile holding a key some row sees (key_floor on)
+    and the end of the masked edge tiles, where every row sees every key (key_full on) but not
+    past `split` (where the unmasked loop ends)."""
+    lo = origin + (tl.maximum(key_floor - origin, 0) // BLOCK_N) * BLOCK_N
+    full = origin + tl.cdiv(tl.maximum(key_full - origin, 0), BLOCK_N) * BLOCK_N
+    edge_end = tl.minimum(full, split)
+    return lo, edge_end
+
+
+@triton.jit
 def _softmax_update(acc, m_i, l_i, q, k, v, qk_keep, scale_log2, MASKED: tl.constexpr,
-                    DOT_MODE: tl.constexpr):
-    """One online-softmax step over a K/V tile. qk_keep (MASKED only): which scores count."""
+                    DOT_MODE: tl.constexpr, softcap_log2, SOFTCAP: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr):
+    """One online-softmax step over a K/V tile. qk_keep (MASKED only): which scores count.
+    SOFTCAP: scale_log2 is scale / cap and softcap_log2 cap · log2(e) (softcap_scales)."""
     qk = dot(q, tl.trans(k), DOT_MODE)
+    if SOFTCAP:
+        qk = tanh(qk * scale_log2) * softcap_log2
+        score_scale = 1.0
+    else:
+        score_scale = scale_log2
     if MASKED:
         qk = tl.where(qk_keep, qk, float("-inf"))
     # Scaling folded into one FMA per score. Every valid row sees at least one key in its
     # first tile (key 0 or its own position), so m_new is finite from the first tile on.
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-    p = tl.exp2(qk * scale_log2 - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale)
+    if HAS_WINDOW:
+        # Except under a window: a row may see nothing of the edge tile before its own window.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk * score_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
@@ -66,11 +99,15 @@ def _softmax_update(acc, m_i, l_i, q, k, v, qk_keep, scale_log2, MASKED: tl.cons
 def _attend_paged(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
                   kv_from, kv_to, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
                   MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr):
-    """Keys [kv_from, kv_to) through the block table. MASKED: bounds + causal masks."""
+                  BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, softcap_log2, window,
+                  key_floor, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Keys [kv_from, kv_to) through the block table. MASKED: bounds + causal (+ window)
+    masks; under a window keys before key_floor (no row's window) are not loaded either."""
     for tile_start in range(kv_from, kv_to, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_ok = key_pos < kv_to
+        if HAS_WINDOW:
+            key_ok = key_ok & (key_pos >= key_floor)
         # Masked lanes never load: unused slots and table entries may hold anything (NaN).
         blocks = _load_tile(table_row + key_pos // BLOCK_SIZE, key_ok, MASKED)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
@@ -81,7 +118,9 @@ def _attend_paged(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_of
         k = _load_tile(k_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
         v = _load_tile(v_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
         keep = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE)
+        keep = _window_keep(keep, key_pos, query_pos, window, HAS_WINDOW and MASKED)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE,
+                                        softcap_log2, SOFTCAP, HAS_WINDOW)
     return acc, m_i, l_i
 
 
@@ -89,9 +128,12 @@ def _attend_paged(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_of
 def _new_tile(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
               query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
               MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-              SOURCE: tl.constexpr, DOT_MODE: tl.constexpr):
+              SOURCE: tl.constexpr, DOT_MODE: tl.constexpr, softcap_log2, window,
+              key_floor, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
     key_pos = tile_start + tl.arange(0, BLOCK_N)
     key_ok = key_pos < kv_to
+    if HAS_WINDOW:
+        key_ok = key_ok & (key_pos >= key_floor)
     if SOURCE == 2:
         # TMA: one descriptor load per tile. Rows past kv_to belong to the next request (or
         # past T: zeros); their scores are masked, and V is zeroed so 0 * garbage stays 0.
@@ -108,14 +150,18 @@ def _new_tile(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, 
         k = _load_tile(k_new_ptr + ptrs, kv_mask, MASK_KV)
         v = _load_tile(v_new_ptr + ptrs, kv_mask, MASK_KV)
     keep = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
-    return _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE)
+    keep = _window_keep(keep, key_pos, query_pos, window, HAS_WINDOW and MASKED)
+    return _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE,
+                           softcap_log2, SOFTCAP, HAS_WINDOW)
 
 
 @triton.jit
 def _attend_new(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
                 query_pos, kv_from, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
                 MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                SOURCE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_MODE: tl.constexpr):
+                SOURCE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_MODE: tl.constexpr,
+                softcap_log2, window, key_floor, SOFTCAP: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):
     """Keys [kv_from, kv_to) (sequence positions) from the step's contiguous k/v rows
     row_base + position. WARP_SPECIALIZE asks the compiler to split loads / MMA / softmax
     into warp groups (documented for Blackwell; tried on Hopper by the tune script)."""
@@ -124,23 +170,25 @@ def _attend_new(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base
             acc, m_i, l_i = _new_tile(
                 acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
                 query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
-                MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE)
+                MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE, softcap_log2, window, key_floor,
+                SOFTCAP, HAS_WINDOW)
     else:
         for tile_start in range(kv_from, kv_to, BLOCK_N):
             acc, m_i, l_i = _new_tile(
                 acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
                 query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
-                MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE)
+                MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE, softcap_log2, window, key_floor,
+                SOFTCAP, HAS_WINDOW)
     return acc, m_i, l_i
 
 
 # num_seqs and the block table's row stride change every step: left unspecialised (see
 # paged_decode.py), so their values never compile another variant mid-serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     k_new_ptr, v_new_ptr, k_desc, v_desc,
-    scale_log2, num_seqs,
+    scale_log2, num_seqs, softcap_log2, window,
     stride_q_tok, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_table_seq, stride_out_tok, stride_out_head,
@@ -148,7 +196,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr, NEW_KV: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    DOT_MODE: tl.constexpr,
+    DOT_MODE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # A program owns BLOCK_M rows = TILE_TOKENS new tokens x HEADS_PER_PROGRAM query heads of
     # one KV head (row r: token r // HEADS_PER_PROGRAM, head r % HEADS_PER_PROGRAM), so with
@@ -199,6 +247,13 @@ def _prefill_kernel(
     kv_head = first_head // GROUP
     head_offset = kv_head.to(tl.int64) * stride_cache_head
     kv_end = prefix_len + tl.minimum(m_start + TILE_TOKENS, q_len)
+    # Under a window the program's earliest row sees keys from key_floor on, its latest from
+    # key_full on; without one both are 0 and the edge loops below are empty.
+    key_floor = 0
+    key_full = 0
+    if HAS_WINDOW:
+        key_floor = tl.maximum(prefix_len + m_start - window + 1, 0)
+        key_full = tl.maximum(kv_end - window, 0)
     if NEW_KV == 0:
         # All keys through the table. Every key before the tile's first query is visible to
         # all its rows; the rest is the diagonal.
@@ -209,14 +264,23 @@ def _prefill_kernel(
         # ragged end needs a mask.
         paged_split = (prefix_len // BLOCK_N) * BLOCK_N
         paged_end = prefix_len
+    # Tiles: [lo, edge_end) the window's masked edge, then unmasked to paged_split, then masked.
+    lo, edge_end = _window_tiles(key_floor, key_full, 0, paged_split, BLOCK_N)
     acc, m_i, l_i = _attend_paged(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
-        0, paged_split, scale_log2, stride_cache_block,
-        stride_cache_slot, dims, dim_ok, False, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE)
+        lo, edge_end, scale_log2, stride_cache_block,
+        stride_cache_slot, dims, dim_ok, True, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE,
+        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
     acc, m_i, l_i = _attend_paged(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
-        paged_split, paged_end, scale_log2, stride_cache_block,
-        stride_cache_slot, dims, dim_ok, True, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE)
+        tl.maximum(edge_end, lo), paged_split, scale_log2, stride_cache_block,
+        stride_cache_slot, dims, dim_ok, False, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE,
+        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+    acc, m_i, l_i = _attend_paged(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
+        tl.maximum(paged_split, lo), paged_end, scale_log2, stride_cache_block,
+        stride_cache_slot, dims, dim_ok, True, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE,
+        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
     if NEW_KV != 0:
         # New tokens: tiles start at prefix_len, so with BLOCK_N | TILE_TOKENS the diagonal is
         # exactly the program's own tokens and everything before it runs unmasked.
@@ -225,14 +289,23 @@ def _prefill_kernel(
         k_head_ptr = k_new_ptr + kv_head.to(tl.int64) * stride_new_head
         v_head_ptr = v_new_ptr + kv_head.to(tl.int64) * stride_new_head
         desc_col = kv_head * HEAD_DIM
+        new_lo, new_edge_end = _window_tiles(key_floor, key_full, prefix_len, new_unmasked_end,
+                                             BLOCK_N)
         acc, m_i, l_i = _attend_new(
             acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
-            prefix_len, new_unmasked_end, scale_log2, stride_new_tok,
-            dims, dim_ok, False, EVEN_DIM, BLOCK_N, NEW_KV, WARP_SPECIALIZE, DOT_MODE)
+            new_lo, new_edge_end, scale_log2, stride_new_tok,
+            dims, dim_ok, True, EVEN_DIM, BLOCK_N, NEW_KV, False, DOT_MODE,
+            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
         acc, m_i, l_i = _attend_new(
             acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
-            new_unmasked_end, kv_end, scale_log2, stride_new_tok,
-            dims, dim_ok, True, EVEN_DIM, BLOCK_N, NEW_KV, False, DOT_MODE)
+            tl.maximum(new_edge_end, new_lo), new_unmasked_end, scale_log2, stride_new_tok,
+            dims, dim_ok, False, EVEN_DIM, BLOCK_N, NEW_KV, WARP_SPECIALIZE, DOT_MODE,
+            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+        acc, m_i, l_i = _attend_new(
+            acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
+            tl.maximum(new_unmasked_end, new_lo), kv_end, scale_log2, stride_new_tok,
+            dims, dim_ok, True, EVEN_DIM, BLOCK_N, NEW_KV, False, DOT_MODE,
+            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -327,6 +400,8 @@ def paged_prefill_triton(
     num_stages: int | None = None,
     pack_gqa: bool | None = None,
     warp_specialize: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention, q [T, Hq, D] -> [T, Hq, D]. No host synchronisation.
 
@@ -334,9 +409,11 @@ def paged_prefill_triton(
     the cache for q's tokens. Given, the new tokens are read from them rather than through the
     block table (when the chosen config says so); absent, everything comes from the cache.
     variant names an entry of VARIANTS; the other keywords override single settings (tests,
-    benchmarks).
+    benchmarks). sliding_window: query p sees keys (p - W, p] only; softcap: scores =
+    softcap · tanh(scores / softcap).
     """
     check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    check_window_and_softcap(sliding_window, softcap)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = output_for(q, out)
@@ -363,10 +440,11 @@ def paged_prefill_triton(
     group = num_q_heads // num_kv_heads
     heads_per_program = group if config["pack_gqa"] and block_m % group == 0 else 1
     grid = (num_q_heads // heads_per_program, num_tokens // (block_m // heads_per_program) + num_seqs)
+    scale_arg, softcap_arg = softcap_scales(scale, softcap)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         k_new, v_new, k_desc, v_desc,
-        scale * LOG2_E, num_seqs,
+        scale_arg, num_seqs, softcap_arg, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -381,6 +459,8 @@ def paged_prefill_triton(
         NEW_KV=NEW_KV_SOURCES[source],
         WARP_SPECIALIZE=bool(config["warp_specialize"]) and source != "cache",
         DOT_MODE=dot_mode(q),
+        SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

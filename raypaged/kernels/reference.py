@@ -10,6 +10,11 @@ the activation dtype where transformers does; the CPU tests compare the model ag
 transformers tightly through them. The rope references are the kernels' arithmetic (fp32 tables,
 one rounding); the model's CPU path rotates as transformers does (model/rotary.py).
 
+Sliding window W (Mistral, Gemma's local layers): a query at position p attends keys in
+(p - W, p], transformers' mask (`kv_idx > q_idx - sliding_window`); keys before the earliest
+query's window are never gathered. Logit soft-capping c (Gemma 2): scores = c · tanh(scores / c)
+after the scale, before the mask, as transformers' eager attention does.
+
 Shapes (Hq query heads, Hkv KV heads, Hq % Hkv == 0, D head dim, B block size):
   k_cache, v_cache   [num_blocks, B, Hkv, D]
   block_tables       [S, max_blocks] int32   logical block i of request s -> physical block id
@@ -27,6 +32,7 @@ from .validation import (
     check_decode_inputs,
     check_prefill_inputs,
     check_table_contents,
+    check_window_and_softcap,
     check_write_inputs,
 )
 
@@ -58,14 +64,16 @@ def write_kv_ref(
 
 
 def _gather_context(
-    cache: torch.Tensor, block_row: torch.Tensor, length: int
+    cache: torch.Tensor, block_row: torch.Tensor, length: int, start: int = 0
 ) -> torch.Tensor:
-    """The first `length` positions of one request, [length, Hkv, D], read through its blocks."""
+    """Positions [start, length) of one request, [length - start, Hkv, D], read through its
+    blocks (only the blocks holding them: a window's earlier blocks are never touched)."""
     block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = block_row[:num_blocks].long()
-    # Slicing to `length` before any arithmetic drops the unused tail of the last block.
-    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+    first_block, num_blocks = start // block_size, -(-length // block_size)
+    blocks = block_row[first_block:num_blocks].long()
+    # Slicing before any arithmetic drops the slots outside [start, length).
+    flat = cache[blocks].reshape((num_blocks - first_block) * block_size, *cache.shape[2:])
+    return flat[start - first_block * block_size : length - first_block * block_size]
 
 
 def _attend(
@@ -75,18 +83,26 @@ def _attend(
     first_query_pos: int,
     scale: float,
     compute_dtype: torch.dtype,
+    first_key_pos: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention of q [n, Hq, D] at positions first_query_pos.. over k/v [L, Hkv, D]."""
+    """Causal GQA attention of q [n, Hq, D] at positions first_query_pos.. over k/v [L, Hkv, D]
+    at positions first_key_pos.., within the sliding window if given, scores soft-capped."""
     n, num_heads, head_dim = q.shape
     length, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     qg = q.to(compute_dtype).reshape(n, num_kv_heads, group, head_dim)
     kc, vc = k.to(compute_dtype), v.to(compute_dtype)
     scores = torch.einsum("nhgd,lhd->hgnl", qg, kc).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     query_pos = first_query_pos + torch.arange(n, device=q.device)
-    key_pos = torch.arange(length, device=q.device)
-    future = key_pos[None, :] > query_pos[:, None]
-    scores.masked_fill_(future, float("-inf"))
+    key_pos = first_key_pos + torch.arange(length, device=q.device)
+    hidden = key_pos[None, :] > query_pos[:, None]
+    if sliding_window is not None:
+        hidden |= key_pos[None, :] <= query_pos[:, None] - sliding_window
+    scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(compute_dtype)
     out = torch.einsum("hgnl,lhd->nhgd", probs, vc)
     return out.reshape(n, num_heads, head_dim)
@@ -100,15 +116,21 @@ def _request_attention(
     length: int,
     scale: float,
     compute_dtype: torch.dtype,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One request's new queries q [n, Hq, D] (the last n of its `length` positions)."""
     if q.shape[0] > length:
         raise ValueError(f"{q.shape[0]} new tokens but seq_len is only {length}")
     if length == 0:
         return torch.zeros_like(q)
-    k = _gather_context(k_cache, block_row, length)
-    v = _gather_context(v_cache, block_row, length)
-    return _attend(q, k, v, length - q.shape[0], scale, compute_dtype).to(q.dtype)
+    first_query_pos = length - q.shape[0]
+    # The earliest query's window starts here: nothing before it is read.
+    start = 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)
+    k = _gather_context(k_cache, block_row, length, start)
+    v = _gather_context(v_cache, block_row, length, start)
+    return _attend(q, k, v, first_query_pos, scale, compute_dtype, start, sliding_window,
+                   softcap).to(q.dtype)
 
 
 def paged_prefill_ref(
@@ -121,8 +143,11 @@ def paged_prefill_ref(
     scale: float,
     *,
     compute_dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention of new tokens over cached prefix + themselves.
+    """Varlen causal attention of new tokens over cached prefix + themselves (within the
+    sliding window if given, scores soft-capped at `softcap` if given; module docstring).
 
     q [T, Hq, D]; query_start_loc [S+1] int32; seq_lens [S] int32 (prefix + new tokens, all
     already in the cache). Query i of request s sits at position seq_lens[s] - q_len_s + i.
@@ -131,6 +156,7 @@ def paged_prefill_ref(
     Returns [T, Hq, D] in q's dtype.
     """
     check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    check_window_and_softcap(sliding_window, softcap)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1])
@@ -140,7 +166,8 @@ def paged_prefill_ref(
     for s, length in enumerate(lengths):
         rows = slice(starts[s], starts[s + 1])
         out[rows] = _request_attention(
-            q[rows], k_cache, v_cache, block_tables[s], length, scale, compute_dtype
+            q[rows], k_cache, v_cache, block_tables[s], length, scale, compute_dtype,
+            sliding_window, softcap,
         )
     return out
 
@@ -154,12 +181,15 @@ def paged_decode_ref(
     scale: float,
     *,
     compute_dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per request (its last position, already written). q [S, Hq, D].
 
-    A request with seq_len 0 (batch padding) gets zeros.
+    A request with seq_len 0 (batch padding) gets zeros. sliding_window, softcap: as prefill's.
     """
     check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    check_window_and_softcap(sliding_window, softcap)
     lengths = seq_lens.tolist()
     check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1])
     out = torch.empty_like(q)
@@ -168,7 +198,8 @@ def paged_decode_ref(
             out[s] = 0
             continue
         out[s : s + 1] = _request_attention(
-            q[s : s + 1], k_cache, v_cache, block_tables[s], length, scale, compute_dtype
+            q[s : s + 1], k_cache, v_cache, block_tables[s], length, scale, compute_dtype,
+            sliding_window, softcap,
         )
     return out
 

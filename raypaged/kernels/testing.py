@@ -190,3 +190,17 @@ def new_token_kv(
             batch.k_cache[blocks, offsets] = float("nan")
             batch.v_cache[blocks, offsets] = float("nan")
     return torch.cat(keys), torch.cat(values)
+
+
+def poison_before_window(batch: PagedBatch, query_lens: list[int], window: int) -> None:
+    """NaN into every slot no query of request s may read under a sliding window: the positions
+    before its earliest new query's window (p - window, p], so a kernel that reads them fails."""
+    for s, q_len in enumerate(query_lens):
+        length = batch.keys[s].shape[0]
+        floor = max(0, length - q_len - window + 1)
+        if floor:
+            positions = torch.arange(floor, device=batch.k_cache.device)
+            blocks = batch.block_tables[s, positions // batch.block_size].long()
+            offsets = positions % batch.block_size
+            batch.k_cache[blocks, offsets] = float("nan")
+            batch.v_cache[blocks, offsets] = float("nan")

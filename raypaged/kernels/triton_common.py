@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton attention kernels: the dot-product mode and the SM count."""
+"""Pieces shared by the Triton attention kernels: the dot-product mode, soft-capping, the SM count."""
 
 from __future__ import annotations
 
@@ -34,6 +34,20 @@ def dot(a, b, MODE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp (the interpreter has no libdevice): 2 sigmoid(2x) - 1, exact at the tails."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+def softcap_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """The attention kernels' score arguments: (scale · log2(e), unused) without a soft cap;
+    with one, (scale / cap, cap · log2(e)) so a score is tanh(qk · a) · b in the log2 domain."""
+    if softcap is None:
+        return scale * LOG2_E, 1.0
+    return scale / softcap, softcap * LOG2_E
 
 
 @functools.cache

@@ -129,3 +129,11 @@ def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
     return out
+
+
+def check_window_and_softcap(sliding_window: int | None, softcap: float | None) -> None:
+    """A sliding window is a positive token count, a soft cap a positive float (None: off)."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive token count, got {sliding_window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap!r}")

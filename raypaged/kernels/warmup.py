@@ -12,6 +12,7 @@ with the step's shapes reduced to a few tokens. What it compiles lands in Triton
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -24,11 +25,22 @@ from .paged_prefill import paged_prefill_triton
 _PREFILL_TOKENS = (1, 16, 17)
 
 
-def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int) -> float:
+def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+                      kinds: Iterable[tuple[int | None, float | None]] = ((None, None),)) -> float:
     """Run decode once and prefill at each kind of token count, with and
-    without the step's own keys/values, over block 0 of this pool (read only; outputs discarded).
+    without the step's own keys/values, over block 0 of this pool (read only; outputs discarded),
+    for each of the model's kinds of attention: (sliding window, soft cap), each None if off.
     Returns the seconds it took."""
     start = time.perf_counter()
+    for window, softcap in dict.fromkeys(kinds):
+        _warm_up_kind(k_cache, v_cache, num_q_heads, window, softcap)
+    if k_cache.device.type == "cuda":
+        torch.cuda.synchronize(k_cache.device)
+    return time.perf_counter() - start
+
+
+def _warm_up_kind(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+                  window: int | None, softcap: float | None) -> None:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     device, dtype = k_cache.device, k_cache.dtype
     scale = head_dim ** -0.5
@@ -36,7 +48,8 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads:
         q = torch.zeros(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device)
         table = torch.zeros(num_seqs, 1, dtype=torch.int32, device=device)
         seq_lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
-        paged_decode_triton(q, k_cache, v_cache, table, seq_lens, scale)
+        paged_decode_triton(q, k_cache, v_cache, table, seq_lens, scale, sliding_window=window,
+                            softcap=softcap)
     for num_tokens in _PREFILL_TOKENS:
         q = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
         new = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -46,7 +59,5 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads:
         seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
         for k_new in (new, None):
             paged_prefill_triton(q, k_cache, v_cache, table, query_start_loc, seq_lens, scale,
-                                 k_new=k_new, v_new=k_new)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+                                 k_new=k_new, v_new=k_new, sliding_window=window,
+                                 softcap=softcap)

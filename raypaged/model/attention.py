@@ -4,6 +4,10 @@ A step's tokens arrive flattened: decode requests first (one token each), then p
 requests (a chunk of new tokens each, attending to their cached prefix). Each layer writes the
 step's K/V into the paged pool by slot, then runs the decode kernel on the first part and the
 prefill kernel on the rest, both writing into one output tensor.
+
+A sliding-window layer (Mistral, Gemma's local layers) reads only its window: its decode work
+list is planned with the window, once a step per distinct window, on the first layer that needs
+it (`window_decode_work`), so every layer of that window shares it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class AttentionMetadata:
     max_query_len: int  # host int: the longest request's new tokens
     # The decode part's work list (ops.plan_decode), once a step; None: every layer plans its own.
     decode_work: torch.Tensor | None = None
+    # The decode part's work lists of the sliding-window layers, by window (window_decode_work).
+    window_decode_works: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     # The prefill part's views, computed once here rather than in every layer.
     prefill_block_tables: torch.Tensor = field(init=False, repr=False)
@@ -62,6 +68,15 @@ class AttentionMetadata:
             self.decode_work = ops.plan_decode(self.seq_lens[: self.num_decodes], num_kv_heads,
                                                out=out)
 
+    def window_decode_work(self, window: int, num_kv_heads: int) -> torch.Tensor | None:
+        """The decode part's work list for layers of sliding window `window`: planned on the
+        first call of the step (the plan is a device launch on the step's seq_lens, so inside a
+        CUDA graph it is captured and re-plans on replay), the same list after."""
+        if window not in self.window_decode_works:
+            self.window_decode_works[window] = ops.plan_decode(
+                self.seq_lens[: self.num_decodes], num_kv_heads, sliding_window=window)
+        return self.window_decode_works[window]
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
@@ -72,14 +87,18 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """softmax(q kᵀ · scale) v over this rank's heads, reading K/V from the paged pool."""
+    """softmax(q kᵀ · scale) v over this rank's heads, reading K/V from the paged pool; within a
+    sliding window (keys (p - W, p]) and with the scores soft-capped (c · tanh(s / c)) if given."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def forward(
         self,
@@ -103,7 +122,10 @@ class PagedAttention(nn.Module):
         if out is None:
             out = torch.empty_like(query)
         num_decode_tokens = meta.num_decode_tokens
+        window, softcap = self.sliding_window, self.softcap
         if meta.num_decodes:
+            work = meta.decode_work if window is None else meta.window_decode_work(
+                window, self.num_kv_heads)
             ops.paged_decode(
                 query[:num_decode_tokens],
                 k_cache,
@@ -112,7 +134,9 @@ class PagedAttention(nn.Module):
                 meta.seq_lens[: meta.num_decodes],
                 self.scale,
                 out=out[:num_decode_tokens],
-                work=meta.decode_work,
+                work=work,
+                sliding_window=window,
+                softcap=softcap,
             )
         if meta.num_prefills:
             ops.paged_prefill(
@@ -127,5 +151,7 @@ class PagedAttention(nn.Module):
                 # The kernel may read the new tokens' K/V from here rather than the pool.
                 k_new=key[num_decode_tokens:],
                 v_new=value[num_decode_tokens:],
+                sliding_window=window,
+                softcap=softcap,
             )
         return out

@@ -19,7 +19,7 @@ from .rope_scaling import SCALED_ROPE_TYPES, ScaledRope, parse_scaled_rope
 # Architectures the decoder in llama.py serves; the names as config.json's "architectures" lists them.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
+    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
 )  # fmt: skip
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", *SCALED_ROPE_TYPES)
 # Architectures whose transformers implementation rotates only part of each head.
@@ -57,14 +57,21 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     max_position_embeddings: int
-    # Longest sequence (prompt + output) served. Never above the sliding window: within the window
-    # full causal attention *is* sliding-window attention, beyond it we would need the window.
+    # Longest sequence (prompt + output) served.
     max_model_len: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    # Per layer: its sliding window or None (full attention). Empty: every layer has
+    # `sliding_window` (Mistral). Gemma's alternate, from config.json's layer_types.
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None  # scores = c · tanh(scores / c) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits = c · tanh(logits / c) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma)
+    local_rope: RopeConfig | None = None  # the sliding layers' rope where it differs (Gemma 3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's dtype, used for load dtype "auto"
@@ -95,8 +102,11 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         architecture = supported[0]
+        from .gemma_config import GEMMA_ARCHITECTURES, gemma_fields
+
+        extra = gemma_fields(raw) if architecture in GEMMA_ARCHITECTURES else {}
         act = raw.get("hidden_act", "silu")
-        if act != "silu":
+        if act != "silu" and not extra:
             raise ModelConfigError(f"hidden_act {act!r} is not supported (only 'silu', SwiGLU)")
 
         hidden = _positive_int(raw, "hidden_size")
@@ -110,22 +120,15 @@ class ModelConfig:
         max_pos = _positive_int(raw, "max_position_embeddings")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
-        rope = _rope_config(raw, max_pos, head_dim, architecture)
+        rope = extra.pop("rope", None) or _rope_config(raw, max_pos, head_dim, architecture)
         served_pos = rope.scaled.max_model_len(max_pos) if rope.scaled else max_pos
 
         # Qwen3 too stores a window that use_sliding_window switches on.
         sliding_window = _sliding_window(raw, architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"))
-        limit = min(served_pos, sliding_window) if sliding_window else served_pos
         if max_model_len is None:
-            max_model_len = limit
+            max_model_len = served_pos
         elif max_model_len < 1:
             raise ModelConfigError(f"max_model_len must be positive, got {max_model_len}")
-        elif sliding_window and max_model_len > sliding_window:
-            raise ModelConfigError(
-                f"max_model_len {max_model_len} exceeds the sliding window {sliding_window}: "
-                "sliding-window attention is not implemented; use max_model_len <= "
-                f"{sliding_window}"
-            )
         elif max_model_len > served_pos:
             raise ModelConfigError(
                 f"max_model_len {max_model_len} exceeds "
@@ -162,12 +165,23 @@ class ModelConfig:
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)) and not is_qwen2,
             sliding_window=sliding_window,
+            layer_windows=extra.pop("layer_windows", None) or _layer_windows(raw, sliding_window),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=dtype if dtype in CHECKPOINT_DTYPES else "float32",
             quantization_config=_quantization_config(raw),
             model_dir=model_dir,
+            **extra,
         )
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (keys (p - W, p] for a query at p), None: full."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar
+        return (self.head_dim if scalar is None else scalar) ** -0.5
 
     # -- tensor-parallel shapes ---------------------------------------------------------------
 
@@ -221,6 +235,27 @@ def _sliding_window(raw: dict[str, Any], is_qwen2: bool) -> int | None:
         return None
     window = raw.get("sliding_window")
     return int(window) if window else None
+
+
+def _layer_windows(raw: dict[str, Any], sliding_window: int | None) -> tuple[int | None, ...]:
+    """config.json's layer_types (transformers >= 4.53) as windows; absent: () (every layer
+    `sliding_window`). A window-less config has no sliding layers whatever it lists."""
+    layer_types = raw.get("layer_types")
+    if sliding_window is None:
+        return ()
+    if not layer_types and {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & set(raw.get("architectures") or []):
+        # transformers 4's Qwen2 / Qwen3: the layers from max_window_layers on slide.
+        first = int(raw.get("max_window_layers", 0) or 0)
+        return tuple(None if i < first else sliding_window for i in range(raw["num_hidden_layers"]))
+    if not layer_types:
+        return ()
+    known = ("sliding_attention", "full_attention")
+    if any(t not in known for t in layer_types):
+        raise ModelConfigError(f"layer_types {sorted(set(layer_types) - set(known))} are not supported")
+    if len(layer_types) != raw.get("num_hidden_layers"):
+        raise ModelConfigError(f"layer_types lists {len(layer_types)} layers, "
+                               f"num_hidden_layers is {raw.get('num_hidden_layers')}")
+    return tuple(sliding_window if t == "sliding_attention" else None for t in layer_types)
 
 
 def _rope_config(raw: dict[str, Any], max_pos: int, head_dim: int, architecture: str) -> RopeConfig:

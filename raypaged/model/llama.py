@@ -1,8 +1,8 @@
 """The Llama-family decoder: Llama 2/3, Mistral and Qwen2 share one implementation.
 
 What differs between them is configuration only (read by ModelConfig): Qwen2 has q/k/v biases,
-Llama may have attention/MLP biases, llama3 rope scaling, tied embeddings. Mistral's sliding
-window never applies because ModelConfig caps max_model_len at the window.
+Llama may have attention/MLP biases, llama3 rope scaling, tied embeddings; Mistral's sliding
+window (v0.1) goes to every layer's attention, which reads only the window.
 
 Qwen3 (q/k norms, qwen3.py: swaps the attention class) and Phi-3 (fused checkpoint tensors,
 phi3.py: its own checkpoint name map) are subclasses; registry.py lists every architecture.
@@ -38,7 +38,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -55,6 +55,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             config.head_dim,
             scale=config.head_dim**-0.5,
+            sliding_window=config.window_of(layer),
         )
 
     def qkv(
@@ -87,10 +88,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, attention_class: type[LlamaAttention] = LlamaAttention
+        self, config: ModelConfig, attention_class: type[LlamaAttention] = LlamaAttention,
+        layer: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = attention_class(config)
+        self.self_attn = attention_class(config, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -124,11 +126,12 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        make_layer: Callable[[ModelConfig], LlamaDecoderLayer] = LlamaDecoderLayer,
+        make_layer: Callable[[ModelConfig, int], LlamaDecoderLayer] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(config) for _ in range(config.num_hidden_layers))
+        make = make_layer or (lambda config, layer: LlamaDecoderLayer(config, layer=layer))
+        self.layers = nn.ModuleList(make(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
 
@@ -204,6 +207,9 @@ _MERGED = {
 class LlamaForCausalLM(nn.Module):
     # What a family built on this decoder changes in its layers (qwen3.py).
     attention_class: type[LlamaAttention] = LlamaAttention
+    # Each layer's norms, and its attention's (those it has), by checkpoint name.
+    LAYER_NORMS: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    ATTENTION_NORMS: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -214,8 +220,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _make_layer(self, config: ModelConfig) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(config, self.attention_class)
+    def _make_layer(self, config: ModelConfig, layer: int) -> LlamaDecoderLayer:
+        return LlamaDecoderLayer(config, self.attention_class, layer)
 
     def forward(
         self,
@@ -245,8 +251,12 @@ class LlamaForCausalLM(nn.Module):
             targets["lm_head.weight"] = CheckpointTarget(self.lm_head, "weight")
         for i, layer in enumerate(self.model.layers):
             prefix = f"model.layers.{i}"
-            for norm in ("input_layernorm", "post_attention_layernorm"):
+            for norm in self.LAYER_NORMS:
                 targets[f"{prefix}.{norm}.weight"] = CheckpointTarget(getattr(layer, norm), "weight")
+            for norm in self.ATTENTION_NORMS:
+                if getattr(layer.self_attn, norm, None) is not None:
+                    targets[f"{prefix}.self_attn.{norm}.weight"] = CheckpointTarget(
+                        getattr(layer.self_attn, norm), "weight")
             blocks = {"self_attn": layer.self_attn, "mlp": layer.mlp}
             projections = {
                 "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),

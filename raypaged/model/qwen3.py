@@ -17,8 +17,8 @@ from .rotary import StepRotary
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 

@@ -167,7 +167,8 @@ class Worker:
         if self.device.type == "cuda" and ops.backend_for(kv_caches[0][0]) == "triton":
             from raypaged.kernels.warmup import warm_up_attention
 
-            seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size)
+            kinds = [(mc.window_of(i), mc.attn_logit_softcapping) for i in range(mc.num_hidden_layers)]
+            seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size, kinds)
             logger.info("attention kernels compiled in %.1f s", seconds)
 
     def _loaded_model(self) -> LlamaForCausalLM:

@@ -77,14 +77,49 @@ def test_llama_attention_bias_covers_o_proj():
     assert (c.qkv_bias, c.o_proj_bias, c.mlp_bias) == (True, True, True)
 
 
-def test_sliding_window_caps_max_model_len_and_refuses_longer():
+def test_sliding_window_serves_past_the_window_on_every_layer():
     c = config(architectures=["MistralForCausalLM"], sliding_window=128)
-    assert c.max_model_len == 128
-    assert ModelConfig.from_dict({**BASE, "sliding_window": 128}, max_model_len=100).max_model_len == 100
-    with pytest.raises(ModelConfigError, match="exceeds the sliding window 128"):
-        ModelConfig.from_dict({**BASE, "sliding_window": 128}, max_model_len=200)
+    assert c.max_model_len == 512  # the window no longer caps it: the kernels read the window
+    assert [c.window_of(i) for i in range(c.num_hidden_layers)] == [128] * c.num_hidden_layers
+    assert ModelConfig.from_dict({**BASE, "sliding_window": 128}, max_model_len=200).max_model_len == 200
     with pytest.raises(ModelConfigError, match="exceeds max_position_embeddings 512"):
         ModelConfig.from_dict(BASE, max_model_len=1024)
+
+
+def test_layer_types_give_per_layer_windows():
+    raw = {**BASE, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
+    raw["num_hidden_layers"] = 2
+    assert ModelConfig.from_dict(raw).layer_windows == (16, None)
+    with pytest.raises(ModelConfigError, match="layer_types"):
+        ModelConfig.from_dict({**raw, "layer_types": ["chunked_attention", "full_attention"]})
+
+
+def test_qwen2_sliding_window_from_max_window_layers():
+    raw = {**BASE, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+           "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 3}
+    assert ModelConfig.from_dict(raw).layer_windows == (None, None, None, 32)
+
+
+def test_gemma_fields_in_both_config_layouts():
+    gemma2 = {**BASE, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4,
+              "sliding_window": 8, "hidden_activation": "gelu_pytorch_tanh",
+              "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0,
+              "final_logit_softcapping": 30.0}
+    c = ModelConfig.from_dict(gemma2)  # transformers 4: no layer_types, even layers slide
+    assert c.layer_windows == (8, None, 8, None)
+    assert (c.attention_scale, c.attn_logit_softcapping, c.final_logit_softcapping) == (1 / 8, 50.0, 30.0)
+    gemma3 = {**gemma2, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7,
+              "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0, "rope_theta": 1e6,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+              "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    c = ModelConfig.from_dict(gemma3)
+    assert c.layer_windows == (8, 8, 8, 8, 8, None, 8)
+    assert (c.rope.theta, c.rope.rope_type, c.rope.factor) == (1e6, "linear", 8.0)
+    assert c.local_rope is not None and (c.local_rope.theta, c.local_rope.rope_type) == (1e4, "default")
+    with pytest.raises(ModelConfigError, match="hidden_activation"):
+        ModelConfig.from_dict({**gemma2, "hidden_activation": "relu"})
+    with pytest.raises(ModelConfigError, match="bidirectional"):
+        ModelConfig.from_dict({**gemma3, "use_bidirectional_attention": True})
 
 
 def test_eos_ids_list_and_dtype():

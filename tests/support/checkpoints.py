@@ -38,7 +38,7 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: unk, bos, eos
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
     config: dict[str, Any] = field(default_factory=dict)  # overrides of _BASE
     dtype: torch.dtype = torch.float32
     max_shard_size: str | None = None  # set: save sharded with model.safetensors.index.json
@@ -88,7 +88,7 @@ CHECKPOINTS: dict[str, CheckpointSpec] = {
     "llama-linear-rope": CheckpointSpec(
         "llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0)), seed=6
     ),
-    # A sliding window above every length the tests use: ModelConfig caps max_model_len at it.
+    # A sliding window above every length the tests use (mistral-window: one below them).
     "mistral": CheckpointSpec("mistral", dict(sliding_window=128, head_dim=16), seed=7),
     "qwen2": CheckpointSpec("qwen2", dict(rope_theta=1000000.0), seed=8),
     # Qwen2.5 long context: yarn over an original context of 64 (so some frequencies are kept,
@@ -135,6 +135,27 @@ CHECKPOINTS: dict[str, CheckpointSpec] = {
         dict(partial_rotary_factor=0.75, tie_word_embeddings=True, num_key_value_heads=1),
         seed=14,
     ),
+    # Sliding windows of a few tokens, so prompts and generations run several windows long.
+    "mistral-window": CheckpointSpec("mistral", dict(sliding_window=8, head_dim=16), seed=9),
+    # Alternate local (window 8) and global layers, soft caps near the scores' and logits' size
+    # (so tanh bends them), query_pre_attn_scalar != head_dim, tied embeddings (Gemma's default).
+    "gemma2": CheckpointSpec(
+        "gemma2",
+        dict(num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+             attn_logit_softcapping=2.0, final_logit_softcapping=8.0),
+        seed=10,
+    ),
+    # Five local layers (window 12, rope base 1e4) to one global (base 1e6, linear scaling),
+    # q/k norms, head_dim 32 != hidden / heads, untied embeddings.
+    "gemma3": CheckpointSpec(
+        "gemma3",
+        dict(num_hidden_layers=6, head_dim=32, sliding_window=12, query_pre_attn_scalar=32,
+             tie_word_embeddings=False,
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                 "rope_theta": 1000000.0}}),
+        seed=11,
+    ),
 }
 # Every Phi-3 checkpoint: the tokenizer's pad id (Phi3Config defaults to 32000) and no window.
 _ARCHITECTURE_BASE: dict[str, dict[str, Any]] = {
@@ -151,6 +172,8 @@ def _classes(architecture: str) -> tuple[type, type]:
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }[architecture]
 
 
