@@ -267,3 +267,39 @@ def test_chat_prompt_logprobs_on_the_response_and_its_first_chunk(api):
     assert len(carrying) == 1 and carrying[0] is chunks[0]
     streamed = (carrying[0].model_extra or {})["prompt_logprobs"]
     assert [sorted(e) if e else e for e in streamed] == [sorted(e) if e else e for e in scored]
+
+
+def test_structured_outputs_through_the_client_validate_streamed_and_whole(api):
+    """response_format json_schema for random schemas, and vLLM's structured_outputs (regex,
+    choice) in completions: each output conforms; streamed text equals the whole answer."""
+    import random
+    import re
+
+    import jsonschema
+
+    from tests.support.json_schemas import parse, random_schema
+
+    rng = random.Random(41)
+    messages = [{"role": "user", "content": "Fill in the record"}]
+    finished = 0
+    for i in range(4):
+        schema = {"type": "object", "properties": {"k": random_schema(rng)}, "required": ["k"],
+                  "additionalProperties": False}
+        response_format = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        whole = valid(api.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=120,
+                                                  temperature=0.0, response_format=response_format))
+        streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+            model=NAMES[0], messages=messages, max_tokens=120, temperature=0.0,
+            response_format=response_format, stream=True) if c.choices)
+        text = whole.choices[0].message.content or ""
+        assert streamed == text
+        if whole.choices[0].finish_reason == "stop":
+            jsonschema.validate(parse(text), schema)
+            finished += 1
+    assert finished >= 2
+    regex = valid(api.completions.create(model=NAMES[0], prompt="Code:", max_tokens=30, temperature=0.0,
+                                         extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{2,4}"}}))
+    assert re.fullmatch(r"[A-Z]{2}-\d{2,4}", regex.choices[0].text)
+    choice = valid(api.completions.create(model=NAMES[0], prompt="Pick:", max_tokens=10, temperature=0.0, n=2,
+                                          extra_body={"structured_outputs": {"choice": ["red", "green"]}}))
+    assert [c.text in ("red", "green") for c in choice.choices] == [True, True]
