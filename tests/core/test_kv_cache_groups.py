@@ -9,12 +9,15 @@ still in the window and reused by another request, or a prefix hit on other toke
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from raypaged.core.async_scheduler import make_scheduler
+from raypaged.core.errors import InvalidRequestError
 from raypaged.core.hybrid_kv_cache_manager import NULL_BLOCK_ID, HybridKVCacheManager
 from raypaged.core.kv_cache_groups import (
     FULL_ATTENTION,
@@ -23,7 +26,14 @@ from raypaged.core.kv_cache_groups import (
     make_kv_cache_manager,
 )
 from raypaged.core.kv_cache_manager import KVCacheManager, cdiv
-from tests.support.core_fakes import make_request, prefix_ids
+from tests.core.test_properties import EOS, VOCAB, operations, scheduler_configs
+from tests.support.core_fakes import (
+    OutputLog,
+    ShadowEngine,
+    ShadowWorker,
+    make_request,
+    prefix_ids,
+)
 
 FAST = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -105,7 +115,10 @@ class ContentModel:
                     assert self.slots.get((block, j % B)) == ids[j], f"read {j} for {p}: wrong K/V"
 
 
-def check(kv: HybridKVCacheManager, running: dict, last_step: dict) -> None:
+def check(kv: HybridKVCacheManager, running: dict, last_step: dict | None, max_step: int = 0) -> None:
+    """Refcounts, the free queue, waste and the window bounds. last_step (request -> (start, n)
+    of its latest step) checks the dropped prefix exactly; without it, the bound for steps of
+    at most max_step tokens."""
     pool, B = kv.block_pool, kv.block_size
     refs = [0] * kv.num_blocks
     owner: dict[int, int] = {}
@@ -119,7 +132,9 @@ def check(kv: HybridKVCacheManager, running: dict, last_step: dict) -> None:
             for b in live:
                 refs[b] += 1
                 assert owner.setdefault(b, g) == g, "a block in two groups"
-            if spec.sliding_window is not None:
+            if spec.sliding_window is not None and last_step is None:
+                assert len(live) <= cdiv(spec.sliding_window - 1 + max_step, B) + 1
+            elif spec.sliding_window is not None:
                 W = spec.sliding_window
                 start, n = last_step[rid]
                 first = max(0, start - W + 1) // B
@@ -287,3 +302,65 @@ def run_both(block_size: int, num_blocks: int, caching: bool, ops, seed: int) ->
        ops=op_lists, seed=st.integers(0, 2**32 - 1))
 def test_one_full_group_hands_out_the_plain_managers_blocks(block_size, num_blocks, caching, ops, seed):
     run_both(block_size, num_blocks, caching, ops, seed)
+
+
+def run_scheduler_on_groups(config, windows, ops, seed: int) -> None:
+    """The real scheduler (n > 1 forks, aborts, preemption, chunking, async) over a full group and
+    sliding ones. The ShadowWorker gets group 0's table (the full group) and checks its reads."""
+    rng = random.Random(seed)
+    groups = (KVCacheGroupSpec(None),) + tuple(KVCacheGroupSpec(w) for w in windows)
+    kv = HybridKVCacheManager(config.num_blocks, config.block_size, groups,
+                              enable_prefix_caching=config.enable_prefix_caching,
+                              max_tokens_per_step=config.max_num_batched_tokens)
+    scheduler = make_scheduler(config, kv)
+    worker = ShadowWorker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
+                          one_behind=config.async_scheduling)
+    engine, log = ShadowEngine(scheduler, worker), OutputLog()
+
+    def checked() -> None:
+        log.note(scheduler)
+        check(kv, {r.request_id: r for r in scheduler.running}, None, config.max_num_batched_tokens)
+        assert all(not any(t) for r in scheduler.waiting
+                   for t in kv.get_group_block_ids(r.request_id)), "a waiting request holds blocks"
+
+    for k, op in enumerate(ops):
+        if op[0] == "add":
+            _, prompt, params, salt, priority = op
+            try:
+                scheduler.add_request(make_request(f"r{k}", prompt, eos=EOS, salt=salt,
+                                                   priority=priority, arrival=float(k), **params))
+            except InvalidRequestError:
+                pass
+        elif op[0] == "step":
+            log.add(engine.step())
+        elif scheduler.requests:
+            ids = sorted(set(scheduler.requests) | set(scheduler._groups))
+            log.add(scheduler.abort_requests(ids[op[1] % len(ids)]))
+        checked()
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests():
+            break
+        log.add(engine.step())
+        checked()
+    assert not scheduler.has_unfinished_requests()
+    assert kv.num_free_blocks == config.num_blocks and not any(kv.block_pool.ref_cnt)
+    assert not kv._requests and kv.stats().allocated_slots == 0
+    log.check_all_finished(scheduler)
+
+
+windows_lists = st.lists(st.integers(1, 9), min_size=1, max_size=3)
+
+
+@FAST
+@given(config=scheduler_configs(), windows=windows_lists, ops=operations, seed=st.integers(0, 2**32 - 1),
+       async_scheduling=st.booleans())
+def test_scheduler_on_groups_random_sequences(config, windows, ops, seed, async_scheduling):
+    run_scheduler_on_groups(dataclasses.replace(config, async_scheduling=async_scheduling), windows, ops, seed)
+
+
+@pytest.mark.slow
+@SLOW
+@given(config=scheduler_configs(), windows=windows_lists, ops=operations, seed=st.integers(0, 2**32 - 1),
+       async_scheduling=st.booleans())
+def test_scheduler_on_groups_random_sequences_many(config, windows, ops, seed, async_scheduling):
+    run_scheduler_on_groups(dataclasses.replace(config, async_scheduling=async_scheduling), windows, ops, seed)
