@@ -112,21 +112,19 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
             return [], 0
         state = self._state(request)
         lookup = self.block_pool.get_cached_block
-        found: list[list[int | None]] = []
+        found: list[list[int | None]] = [[] for _ in self.groups]
         limit = max_hit
+        for g, spec in enumerate(self.groups):  # full groups first: their hits bound the rest
+            if not spec.is_sliding:
+                for h in self._hashes(state, g, max_hit)[:limit]:
+                    block_id = lookup(h)
+                    if block_id is None:
+                        break
+                    found[g].append(block_id)
+                limit = len(found[g])
         for g, spec in enumerate(self.groups):
-            hashes = self._hashes(state, g, max_hit)
             if spec.is_sliding:
-                found.append([lookup(h) for h in hashes])
-                continue
-            blocks: list[int | None] = []
-            for h in hashes[:limit]:
-                block_id = lookup(h)
-                if block_id is None:
-                    break
-                blocks.append(block_id)
-            limit = min(limit, len(blocks))
-            found.append(blocks)
+                found[g] = [lookup(h) for h in self._hashes(state, g, limit)[:limit]]
         changed = True
         while changed:  # shrink to an L every sliding group can serve at once
             changed = False
