@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from raypaged.core.block_pool import BlockPool
 from raypaged.core.request import Request
 
 
@@ -29,6 +30,9 @@ class KVCacheStats:
     shared_saved_slots: int  # logical - filled: slots saved by prefix sharing and fork
     prefix_cache_queries: int  # tokens looked up in the prefix cache (like vLLM)
     prefix_cache_hits: int  # of those, tokens found
+    # Blocks held per KV-cache group (each block once; a block belongs to one group). Empty for
+    # a single-group manager, whose groups' total is num_used_blocks.
+    group_blocks: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -123,3 +127,32 @@ class KVCacheManagerInterface(ABC):
     @abstractmethod
     def usage(self) -> float:
         """Fraction of the pool's blocks held by requests."""
+
+
+class PagedKVCacheManagerBase(KVCacheManagerInterface):
+    """What the paged managers (one table per request, or one per KV-cache group) share: their
+    BlockPool, the copy-on-write queue and the rewritten marks."""
+
+    block_pool: BlockPool
+    rewritten_req_ids: set[str]
+    _copies: list[tuple[int, int]]
+
+    def pop_rewritten(self, request_id: str) -> bool:
+        if request_id in self.rewritten_req_ids:
+            self.rewritten_req_ids.discard(request_id)
+            return True
+        return False
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) copy-on-write pairs queued since the last call. No dst is a src in the same
+        list, so the workers may apply them in one batched gather-scatter, before the forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.block_pool.num_free_blocks / self.num_blocks

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 from raypaged.core.errors import UnknownRequestError
-from raypaged.core.kv_cache_interface import KVCacheManagerInterface, KVCacheStats
+from raypaged.core.kv_cache_interface import KVCacheStats, PagedKVCacheManagerBase
 from raypaged.core.request import Request
 
 __all__ = ["KVCacheManager", "KVCacheStats", "cdiv"]
@@ -62,7 +62,7 @@ class _RequestBlocks:
         self.extra_keys = (self.request.cache_salt,) if self.request.cache_salt else None
 
 
-class KVCacheManager(KVCacheManagerInterface):
+class KVCacheManager(PagedKVCacheManagerBase):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -311,18 +311,6 @@ class KVCacheManager(KVCacheManagerInterface):
         state.shared_tail = state.shared_tail or shared_tail
         self._num_saved_slots += num_computed  # every filled slot of the parent gains a holder
 
-    def pop_rewritten(self, request_id: str) -> bool:
-        if request_id in self.rewritten_req_ids:
-            self.rewritten_req_ids.discard(request_id)
-            return True
-        return False
-
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) copy-on-write pairs queued since the last call. No dst is a src in the same
-        list, so the workers may apply them in one batched gather-scatter, before the forward."""
-        copies, self._copies = self._copies, []
-        return copies
-
     # ---- queries ---------------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
         state = self._requests.get(request_id)
@@ -331,14 +319,6 @@ class KVCacheManager(KVCacheManagerInterface):
     def can_fit(self, num_tokens: int) -> bool:
         """Could an empty pool ever hold a request of num_tokens tokens?"""
         return cdiv(num_tokens, self.block_size) <= self.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.block_pool.num_free_blocks / self.num_blocks
 
     def stats(self) -> KVCacheStats:
         """O(requests holding blocks): one sum of their computed tokens."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 TRACE_CHOICES = ("sharegpt", "fixed", "shared-prefix", "all")
 ALLOCATOR_CHOICES = ("paged", "contiguous", "contiguous-pow2", "contiguous-oracle")
 DEFAULT_OUT = Path("benchmarks/results")
+_LAYERED_OPTIONS = ("model", "contexts", "block_size", "max_num_batched_tokens", "out", "no_plot")
 
 
 def _positive_int(text: str) -> int:
@@ -40,6 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allocators", nargs="+", choices=ALLOCATOR_CHOICES, default=list(ALLOCATOR_CHOICES),
                    help="contiguous reserves max_model_len; -pow2 / -oracle reserve the request's "
                         "own length rounded to a power of two / exactly (Orca's variants)")
+    p.add_argument("--model", choices=("uniform", "gemma3"), default="uniform",
+                   help="uniform: every layer full attention, the traces' report; gemma3: a "
+                        "Gemma-3-27B-shaped model (5 sliding layers of window 1024 : 1 full), KV per "
+                        "request at --contexts, full allocation vs KV-cache groups")
+    p.add_argument("--contexts", type=_positive_int, nargs="+", default=[8192, 32768, 131072],
+                   help="contexts of the gemma3 report")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and PNG")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -53,6 +61,9 @@ def command_line(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in ("command", "run", "no_progress") or value is False:
             continue
+        if args.model == "uniform" and key == "contexts" or \
+                args.model != "uniform" and key not in _LAYERED_OPTIONS:
+            continue  # options the report does not read
         flag = "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
@@ -64,6 +75,8 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model != "uniform":
+        return run_kv_groups(args)
     from tqdm import tqdm
 
     from raypaged.simulator.report import format_legend, format_table, paper_comparison, write_json
@@ -93,14 +106,43 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(paper_comparison(summaries))
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / "simulate_memory.json"
-    write_json(json_path, config, traces, results, command_line(args), args.seed, args.arrival_rate)
-    print(f"\nwrote {json_path}")
-    if not args.no_plot:
+    def plot(path: Path) -> None:
         from raypaged.simulator.plot import save_plot
 
-        png_path = args.out / "simulate_memory.png"
-        save_plot(results, png_path)
+        save_plot(results, path)
+
+    _write(args, "simulate_memory", lambda path: write_json(
+        path, config, traces, results, command_line(args), args.seed, args.arrival_rate), plot)
+    return 0
+
+
+def _write(args: argparse.Namespace, stem: str, write: Callable[[Path], None],
+           plot: Callable[[Path], None]) -> None:
+    """The report's JSON (and its PNG unless --no-plot) under --out."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{stem}.json"
+    write(json_path)
+    print(f"\nwrote {json_path}")
+    if not args.no_plot:
+        png_path = args.out / f"{stem}.png"
+        plot(png_path)
         print(f"wrote {png_path}")
+
+
+def run_kv_groups(args: argparse.Namespace) -> int:
+    """The layered-model report: KV per request, full allocation vs KV-cache groups."""
+    from raypaged.simulator.kv_groups import MODELS, format_report, kv_per_request
+    from raypaged.simulator.report import write_record
+
+    report = kv_per_request(MODELS[args.model], block_size=args.block_size,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            contexts=tuple(args.contexts))
+    print(format_report(report))
+
+    def plot(path: Path) -> None:
+        from raypaged.simulator.plot import save_kv_groups_plot
+
+        save_kv_groups_plot(report, path)
+
+    _write(args, "simulate_kv_groups", lambda path: write_record(path, command_line(args), report), plot)
     return 0

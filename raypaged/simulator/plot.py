@@ -59,3 +59,35 @@ def save_plot(results: list[SimResult], path: Path) -> None:
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def save_kv_groups_plot(report: dict, path: Path) -> None:
+    """KV per request at each context: today's full allocation vs KV-cache groups."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    labels = [f"{row['context'] // 1024}k" for row in rows]
+    series = [("full allocation (every layer)", "full_peak_bytes", "#868e96"),
+              ("groups, peak (prefill chunk)", "grouped_peak_bytes", "#f59f00"),
+              ("groups, decoding", "grouped_decode_bytes", "#2b8a3e")]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    width = 0.27
+    for k, (label, key, color) in enumerate(series):
+        xs = [i + (k - 1) * width for i in range(len(rows))]
+        values = [row[key] / (1 << 30) for row in rows]
+        ax.bar(xs, values, width, label=label, color=color)
+        for x, v in zip(xs, values):
+            ax.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("KV of one request (GiB)")
+    ax.set_yscale("log")
+    ax.set_title(f"{report['model']['name']}: {len(report['groups'])} KV-cache groups of "
+                 f"{report['group_size']} layers, block {report['block_size']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -86,17 +86,23 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def write_json(path: Path, config: SimConfig, traces: list[Trace], results: list[SimResult],
-               command: str, seed: int, arrival_rate: float) -> None:
+def write_record(path: Path, command: str, body: dict) -> None:
+    """A result file: how it was made (command, commit, versions, time), then `body`."""
     record = {
         "command": command,
         "commit": _git_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    } | body
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def write_json(path: Path, config: SimConfig, traces: list[Trace], results: list[SimResult],
+               command: str, seed: int, arrival_rate: float) -> None:
+    write_record(path, command, {
         "config": asdict(config) | {"seed": seed, "arrival_rate_per_step": arrival_rate},
         "traces": [t.summary() for t in traces],
         "results": [r.summary() for r in results],
         "paper_token_state_share": PAPER_TOKEN_STATE_SHARE,
-    }
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    })
