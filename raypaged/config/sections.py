@@ -207,7 +207,7 @@ class ServingSettings:
 
     max_waiting_tokens: int | None = setting(
         None, "prompt tokens waiting for their first output token before new requests are shed "
-              "(429 / RESOURCE_EXHAUSTED; a request alone in the queue always passes; default: "
+              "as 429 / RESOURCE_EXHAUSTED; a request alone in the queue always passes (default: "
               "unbounded)")
     shed_kv_usage: float | None = setting(
         None, "shed new requests while the KV pool is at least this full (a fraction) and requests "

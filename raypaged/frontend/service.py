@@ -72,10 +72,11 @@ class GenerationService:
         request_id = request.group_id
         if request_id in self._in_flight:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        admission = self._shed_check(lambda: self.shedder.admit(request.num_prompt_tokens, self.engine.load))
         if timeout_s is None:
             timeout_s = self.shedder.policy.request_timeout_s
         processor = RequestOutputProcessor(request, self.tokenizer, prepared.skip_special_tokens)
+        # Last before the stream's try: an admission is given back only by its finally.
+        admission = self._shed_check(lambda: self.shedder.admit(request.num_prompt_tokens, self.engine.load))
         tracker = None
         if self.metrics is not None:
             tracker = self.metrics.track(request.num_prompt_tokens, request.sampling_params.n,

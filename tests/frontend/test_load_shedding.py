@@ -112,3 +112,16 @@ def test_policy_from_the_engine_settings():
                 dict(retry_after_s=-1.0)):
         with pytest.raises(ConfigError):
             EngineConfig(**bad).validate()
+
+
+def test_flags_reach_the_policy():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--max-waiting-requests", "8", "--max-waiting-tokens", "512",
+                              "--shed-kv-usage", "0.9", "--retry-after-s", "2", "--request-timeout-s", "30"])
+    assert OverloadPolicy.from_config(EngineConfig.from_cli_args(args)) == OverloadPolicy(
+        max_waiting_requests=8, max_waiting_tokens=512, shed_kv_usage=0.9, retry_after_s=2.0,
+        request_timeout_s=30.0)
+    assert OverloadPolicy.from_config(EngineConfig.from_cli_args(parser.parse_args([]))) == OverloadPolicy()
