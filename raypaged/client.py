@@ -18,6 +18,7 @@ A server started with TLS and a token (README: Running on a network safely):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -39,12 +40,15 @@ _SAMPLING_FIELDS = frozenset(_OPTIONAL_FIELDS + ("stop", "stop_token_ids", "igno
 
 
 class RequestError(Exception):
-    """The server refused or failed the call: `code` is the gRPC status, `message` says why."""
+    """The server refused or failed the call: `code` is the gRPC status, `message` says why;
+    retry_after_s: when to try again, where the server said (a shed request's RESOURCE_EXHAUSTED
+    carries it as trailing metadata "retry-after")."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -217,7 +221,12 @@ def _auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None
 
 
 def _error(e: grpc.RpcError) -> RequestError:
-    return RequestError(e.code(), e.details() or "")
+    retry_after = None
+    for key, value in e.trailing_metadata() or ():
+        if key == "retry-after":
+            with contextlib.suppress(ValueError):
+                retry_after = float(value)
+    return RequestError(e.code(), e.details() or "", retry_after)
 
 
 class AsyncClient:

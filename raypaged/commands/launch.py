@@ -104,6 +104,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
 
     from raypaged.commands.network_security import warn_if_exposed
     from raypaged.engine.client import AsyncEngineClient
+    from raypaged.frontend.load_shedding import OverloadPolicy
     from raypaged.frontend.server import FrontendServer, ServerConfig
 
     logger = logging.getLogger("raypaged.launch")
@@ -128,7 +129,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                          model_name=model_name, shutdown_grace_s=args.shutdown_grace,
                          max_message_bytes=security.max_message_bytes, tls=security.tls,
-                         auth_token=security.auth_token),
+                         auth_token=security.auth_token, overload=OverloadPolicy.from_config(config)),
             owns_engine=True,
             engine_factory=(lambda: AsyncEngineClient.start(config)) if args.engine_restart else None)
         await server.start()

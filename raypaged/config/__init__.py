@@ -14,6 +14,7 @@ from raypaged.config.sections import (
     ModelSettings,
     ParallelSettings,
     SchedulerSettings,
+    ServingSettings,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "ModelSettings",
     "ParallelSettings",
     "SchedulerSettings",
+    "ServingSettings",
 ]

@@ -21,6 +21,7 @@ from raypaged.config.sections import (
     ModelSettings,
     ParallelSettings,
     SchedulerSettings,
+    ServingSettings,
 )
 
 # Servers bound the engine's waiting queue (a full one answers RESOURCE_EXHAUSTED / 429);
@@ -31,6 +32,7 @@ SERVING_MAX_WAITING_REQUESTS = 1024
 _SECTION_ATTRS: dict[type, str] = {
     ModelSettings: "model_settings", SchedulerSettings: "scheduler", CacheSettings: "cache",
     ParallelSettings: "parallel", CompilationSettings: "compilation", KernelSettings: "kernel",
+    ServingSettings: "serving",
 }
 
 
@@ -45,12 +47,14 @@ class EngineConfig:
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     compilation: CompilationSettings = field(default_factory=CompilationSettings)
     kernel: KernelSettings = field(default_factory=KernelSettings)
+    serving: ServingSettings = field(default_factory=ServingSettings)
 
     def __init__(self, *, model_settings: ModelSettings | None = None,
                  scheduler: SchedulerSettings | None = None, cache: CacheSettings | None = None,
                  parallel: ParallelSettings | None = None,
                  compilation: CompilationSettings | None = None,
-                 kernel: KernelSettings | None = None, **settings: Any) -> None:
+                 kernel: KernelSettings | None = None, serving: ServingSettings | None = None,
+                 **settings: Any) -> None:
         """Sections as given (defaults otherwise), then flat `settings` (EngineConfig.names())
         applied over them. An unknown name is a TypeError, as for any keyword argument."""
         self.model_settings = model_settings or ModelSettings()
@@ -59,6 +63,7 @@ class EngineConfig:
         self.parallel = parallel or ParallelSettings()
         self.compilation = compilation or CompilationSettings()
         self.kernel = kernel or KernelSettings()
+        self.serving = serving or ServingSettings()
         self._apply(settings)
 
     @staticmethod

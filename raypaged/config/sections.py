@@ -73,7 +73,9 @@ class SchedulerSettings:
                                      choices=POLICIES)
     max_waiting_requests: int | None = setting(
         SchedulerConfig.max_waiting_requests,
-        "requests queued before new ones are refused as RESOURCE_EXHAUSTED (default: unbounded)")
+        "requests queued before new ones are refused as RESOURCE_EXHAUSTED / 429; a server's front "
+        "door sheds at the same bound before the engine (default: unbounded; servers: "
+        "1024)")
     # On by default, unlike a bare Scheduler: the host's part of a step (scheduling, inputs, Ray's
     # dispatch and return) then hides behind the GPU's. A request that stops computes one token
     # more, which is dropped; the outputs are the same tokens either way.
@@ -197,8 +199,41 @@ class KernelSettings:
         check_choices(self)
 
 
+@dataclass(frozen=True)
+class ServingSettings:
+    """How a server's front door sheds load and times requests out, before they reach the engine
+    (frontend/load_shedding.py). Beside these, max_waiting_requests (scheduler) bounds the
+    requests that wait for their first token. The defaults shed nothing in normal use."""
+
+    max_waiting_tokens: int | None = setting(
+        None, "prompt tokens waiting for their first output token before new requests are shed "
+              "as 429 / RESOURCE_EXHAUSTED; a request alone in the queue always passes (default: "
+              "unbounded)")
+    shed_kv_usage: float | None = setting(
+        None, "shed new requests while the KV pool is at least this full (a fraction) and requests "
+              "are already waiting (default: never)")
+    retry_after_s: float | None = setting(
+        None, "the Retry-After a shed request is told (default: estimated, the waiting requests "
+              "over the recent completion rate, 1 to 60 s)")
+    request_timeout_s: float | None = setting(
+        None, "seconds a request may run before it is aborted and answered 504 / DEADLINE_EXCEEDED; "
+              "an HTTP request may set its own with an X-Request-Timeout header, a gRPC one with "
+              "its deadline (default: none)")
+
+    def validate(self) -> None:
+        check([
+            (self.max_waiting_tokens is None or self.max_waiting_tokens >= 1,
+             "max_waiting_tokens must be >= 1"),
+            (self.shed_kv_usage is None or 0.0 < self.shed_kv_usage <= 1.0,
+             "shed_kv_usage must be in (0, 1]"),
+            (self.retry_after_s is None or self.retry_after_s >= 0, "retry_after_s must be >= 0"),
+            (self.request_timeout_s is None or self.request_timeout_s > 0,
+             "request_timeout_s must be > 0"),
+        ])
+
+
 SECTIONS: tuple[type, ...] = (ModelSettings, SchedulerSettings, CacheSettings, ParallelSettings,
-                              CompilationSettings, KernelSettings)
+                              CompilationSettings, KernelSettings, ServingSettings)
 
 
 def _owners() -> dict[str, type]:

@@ -21,8 +21,19 @@ class NoFreeBlocksError(RaypagedError):
 
 
 class QueueFullError(InvalidRequestError):
-    """The waiting queue is at its bound (SchedulerConfig.max_waiting_requests): try again later.
-    The frontend maps it to RESOURCE_EXHAUSTED rather than INVALID_ARGUMENT."""
+    """The waiting queue is at its bound (SchedulerConfig.max_waiting_requests), or the frontend
+    shed the request under overload (frontend/load_shedding.py): try again later. The frontend
+    maps it to RESOURCE_EXHAUSTED / HTTP 429 rather than INVALID_ARGUMENT, with retry_after_s
+    (when known) as the Retry-After the client is told."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(RaypagedError):
+    """A request ran past its timeout (the server's request_timeout_s or the client's own): it
+    was aborted in the engine. The frontend answers DEADLINE_EXCEEDED / HTTP 504."""
 
 
 class EngineDeadError(RaypagedError):

@@ -134,6 +134,16 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """How loaded the engine was when it handed out a batch of outputs: what a frontend sheds
+    new requests by (frontend/load_shedding.py) without asking the engine per request."""
+
+    num_waiting: int  # requests in the scheduler's waiting queue
+    num_running: int
+    kv_usage: float  # fraction of the KV pool's blocks held by requests
+
+
 @dataclass(slots=True)
 class EngineCoreOutputs:
     """Every request's news from one or more engine steps, in order, as parallel lists.
@@ -153,6 +163,8 @@ class EngineCoreOutputs:
     # (not copied: nothing writes to it after the step).
     new_token_ids: list[list[int]] = field(default_factory=list)
     records: dict[int, EngineCoreOutput] = field(default_factory=dict)
+    # Set by the engine actor on each batch it hands out (engine/actor.py: get_outputs).
+    load: EngineLoad | None = None
 
     def append(self, output: EngineCoreOutput) -> None:
         """Add a whole record (any kind)."""

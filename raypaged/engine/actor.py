@@ -13,7 +13,7 @@ from typing import Any
 
 from raypaged.config import EngineConfig
 from raypaged.core.errors import EngineDeadError
-from raypaged.core.outputs import EngineCoreOutputs
+from raypaged.core.outputs import EngineCoreOutputs, EngineLoad
 from raypaged.core.request import Request
 from raypaged.engine.core import EngineCore
 
@@ -68,6 +68,11 @@ class EngineActor:
                     raise EngineDeadError(self.core.dead)
                 self._have_outputs.wait(timeout_s)
             outputs, self._outputs = self._outputs, EngineCoreOutputs()
+        scheduler = self.core.scheduler
+        # Unlocked reads of two counts and a ratio: a snapshot a step stale at most is all the
+        # frontend's shedding needs, and it must not wait for a step to finish.
+        outputs.load = EngineLoad(scheduler.num_waiting, scheduler.num_running,
+                                  scheduler.kv_cache_manager.usage)
         return outputs
 
     def stats(self) -> dict[str, Any]:

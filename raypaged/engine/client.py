@@ -20,9 +20,9 @@ from typing import Any, cast
 import ray
 
 from raypaged.config import EngineConfig
-from raypaged.core.errors import EngineDeadError
+from raypaged.core.errors import EngineDeadError, RequestTimeoutError
 from raypaged.core.group_progress import GroupProgress
-from raypaged.core.outputs import EngineCoreOutput
+from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import Request
 from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
 from raypaged.engine.actor import EngineActor
@@ -58,6 +58,9 @@ class AsyncEngineClient:
         self._dead: str | None = None
         self._gone = asyncio.Event()  # set with _dead
         self._pump_task: asyncio.Task[None] | None = None
+        # The engine's load as of the last batch pulled (None until the first): the front
+        # door's shedding reads it (frontend/load_shedding.py).
+        self.load: EngineLoad | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
@@ -84,9 +87,12 @@ class AsyncEngineClient:
     def start_pump(self) -> None:
         self._pump_task = asyncio.get_running_loop().create_task(self._pump())
 
-    async def generate(self, request: Request) -> AsyncGenerator[EngineCoreOutput, None]:
+    async def generate(self, request: Request,
+                       timeout_s: float | None = None) -> AsyncGenerator[EngineCoreOutput, None]:
         """Yields the request's outputs as steps produce them; aborts it in the engine if the
-        caller stops iterating early (a cancelled RPC, a stop string, a deadline)."""
+        caller stops iterating early (a cancelled RPC, a stop string, a deadline). timeout_s:
+        past it, RequestTimeoutError is raised in place of the next output (and the request
+        aborted in the engine); the outputs that came before it are still yielded first."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         group_id = request.group_id
@@ -104,6 +110,11 @@ class AsyncEngineClient:
         self._engine_ids[group_id] = engine_id
         finished = False
         added = None
+        expiry = None
+        if timeout_s is not None:
+            expiry = asyncio.get_running_loop().call_later(
+                timeout_s, stream.queue.put_nowait,
+                RequestTimeoutError(f"request {group_id!r} ran past its {timeout_s:g} s timeout"))
         try:
             try:
                 added = stream.added = self.actor.add_request.remote(
@@ -122,6 +133,8 @@ class AsyncEngineClient:
                     finished = True
                     return
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self._streams.pop(engine_id, None)
             self._engine_ids.pop(group_id, None)
             if not finished and self._dead is None and added is not None:
@@ -165,6 +178,8 @@ class AsyncEngineClient:
             except Exception as e:  # the actor died or its loop did
                 self._fail_all(f"the engine is gone: {_unwrap(e)}")
                 return
+            if outputs.load is not None:
+                self.load = outputs.load
             for out in outputs:
                 stream = self._streams.get(out.group_id)
                 if stream is not None:  # else: a request that ended here already

@@ -111,6 +111,9 @@ class FrontendMetrics:
         self.request_errors = Counter("raypaged_request_errors",
                                       "Requests refused or failed, by gRPC status code.",
                                       names + ["code"], registry=self.registry)
+        self.requests_shed = Counter("raypaged_requests_shed",
+                                     "Requests refused under overload (429 / RESOURCE_EXHAUSTED), by reason.",
+                                     names + ["reason"], registry=self.registry)
         self._values = values
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = make(
@@ -166,6 +169,10 @@ class FrontendMetrics:
 
     def record_error(self, code_name: str) -> None:
         self.request_errors.labels(*self._values, code_name).inc()
+
+    def record_shed(self, reason: str) -> None:
+        """A request shed by the front door (frontend/load_shedding.py SHED_REASONS)."""
+        self.requests_shed.labels(*self._values, reason).inc()
 
     def track(self, num_prompt_tokens: int, n: int, max_tokens: int) -> RequestTracker:
         self.request_params_n.observe(n)

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.auth import BearerTokenInterceptor
+from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import MalformedRequestInterceptor
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.metrics_http import MetricsHTTPServer
@@ -53,6 +54,7 @@ class ServerConfig:
     tls: TLSConfig | None = None  # None: plain text (fine on loopback only)
     auth_token: str | None = None  # set: every call but health needs "authorization: Bearer <it>"
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)  # with an engine factory
+    overload: OverloadPolicy = field(default_factory=OverloadPolicy)  # load shedding, request timeout
 
 
 class FrontendServer:
@@ -66,7 +68,8 @@ class FrontendServer:
         self.config = config
         self.owns_engine = owns_engine
         info = engine.model_info
-        service = GenerationService(engine, tokenizer, model_name=config.model_name, limits=config.limits)
+        service = GenerationService(engine, tokenizer, model_name=config.model_name, limits=config.limits,
+                                    overload=config.overload)
         self.metrics = FrontendMetrics(service.model_name, info["max_model_len"])
         service.metrics = self.metrics
         self.service = service

@@ -10,26 +10,37 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypeVar
 
-from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
+from raypaged.core.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestTimeoutError,
+    UnknownRequestError,
+)
 from raypaged.core.sample_ids import sample_id
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
+from raypaged.frontend.load_shedding import LoadShedder, OverloadPolicy, ShedError
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.validation import ModelLimits, RequestLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.text.output_processor import RequestOutputProcessor
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GenerationService:
     def __init__(self, engine: AsyncEngineClient, tokenizer: Any, *, model_name: str | None = None,
                  limits: RequestLimits = RequestLimits(),  # noqa: B008 (frozen: one shared instance is safe)
-                 metrics: FrontendMetrics | None = None) -> None:
+                 metrics: FrontendMetrics | None = None, overload: OverloadPolicy | None = None) -> None:
+        """overload: when to shed new requests and the default request timeout (None: never
+        shed, no timeout)."""
         self.engine = engine
+        self.shedder = LoadShedder(overload or OverloadPolicy())
         self.tokenizer = tokenizer
         info = engine.model_info
         self.model_name = model_name or os.path.basename(os.path.normpath(info["model_dir"]))
@@ -46,17 +57,26 @@ class GenerationService:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def generate(self, message: pb.GenerateRequest) -> AsyncGenerator[pb.GenerateResponse, None]:
+    async def generate(self, message: pb.GenerateRequest,
+                       timeout_s: float | None = None) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """timeout_s: this request's own timeout (default: the server's request_timeout_s);
+        past it the request is aborted in the engine and RequestTimeoutError raised. Shed
+        requests raise ShedError (a QueueFullError) before anything reaches the engine."""
         if not self.accepting:
             raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.engine.is_alive:
             raise EngineDeadError("the engine is gone; the server cannot serve requests")
+        self._shed_check(lambda: self.shedder.check(self.engine.load))
         prepared = prepare_request(message, self.tokenizer, self.model, self.limits)
         request = prepared.request
         request_id = request.group_id
         if request_id in self._in_flight:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if timeout_s is None:
+            timeout_s = self.shedder.policy.request_timeout_s
         processor = RequestOutputProcessor(request, self.tokenizer, prepared.skip_special_tokens)
+        # Last before the stream's try: an admission is given back only by its finally.
+        admission = self._shed_check(lambda: self.shedder.admit(request.num_prompt_tokens, self.engine.load))
         tracker = None
         if self.metrics is not None:
             tracker = self.metrics.track(request.num_prompt_tokens, request.sampling_params.n,
@@ -64,8 +84,9 @@ class GenerationService:
         self._in_flight.add(request_id)
         self._idle.clear()
         try:
-            async with contextlib.aclosing(self.engine.generate(request)) as outputs:
+            async with contextlib.aclosing(self.engine.generate(request, timeout_s)) as outputs:
                 async for out in outputs:
+                    admission.first_output()
                     processed = processor.process(out)
                     if processed is None:
                         continue
@@ -86,17 +107,32 @@ class GenerationService:
                         # Other samples go on; end this one in the engine (a sample id names
                         # one sample, sample 0 included).
                         await self.engine.abort(sample_id(out.group_id, out.sample_index))
-        except (asyncio.CancelledError, GeneratorExit):
+        except QueueFullError as e:  # the engine's own bound, past the front door's check
+            if e.retry_after_s is None:
+                e.retry_after_s = self.shedder.retry_after_s()
+            if self.metrics is not None:
+                self.metrics.record_shed("waiting_requests")
+            raise
+        except (asyncio.CancelledError, GeneratorExit, RequestTimeoutError):
             # The client cancelled or its deadline passed: the handler is cancelled while it
-            # waits, or closed (GeneratorExit) while it yields.
+            # waits, or closed (GeneratorExit) while it yields; or the server's timeout.
             if tracker is not None:
                 for index in processor.unfinished_sample_indices():
                     tracker.on_finished(index, "abort")
             raise
         finally:
+            admission.close(completed=processor.finished)
             self._in_flight.discard(request_id)
             if not self._in_flight:
                 self._idle.set()
+
+    def _shed_check(self, check: Callable[[], T]) -> T:
+        try:
+            return check()
+        except ShedError as e:
+            if self.metrics is not None:
+                self.metrics.record_shed(e.reason)
+            raise
 
     async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
         if message.request_id not in self._in_flight:

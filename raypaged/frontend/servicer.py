@@ -8,7 +8,7 @@ from typing import NoReturn
 
 import grpc
 
-from raypaged.frontend.errors import status_for
+from raypaged.frontend.errors import retry_after_header, retry_after_s, status_for
 from raypaged.frontend.service import GenerationService
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.proto.v1 import raypaged_pb2_grpc as pb_grpc
@@ -42,6 +42,9 @@ class RaypagedServicer(pb_grpc.RaypagedServiceServicer):
     # context.abort always raises (grpc's NoReturn), which mypy cannot see: grpc ships no types.
     async def _abort(self, context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:  # type: ignore[misc]
         code, message = status_for(error)
+        retry_after = retry_after_s(error)
+        if retry_after is not None:
+            context.set_trailing_metadata((("retry-after", retry_after_header(retry_after)),))
         if self.service.metrics is not None:
             self.service.metrics.record_error(code.name)
         await context.abort(code, message)

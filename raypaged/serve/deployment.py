@@ -24,12 +24,13 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from raypaged.engine.client import AsyncEngineClient
+from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import refuse_undecodable
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
-from raypaged.serve.openai_api import OpenAIFrontDoor, install_error_handlers
+from raypaged.serve.openai_api import OpenAIFrontDoor, RequestTimeout, install_error_handlers
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
@@ -51,7 +52,8 @@ class RaypagedDeployment:
         tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
         names = args.served_model_names
         model_name = names[0] if names else ("demo" if config.model_settings.model is None else None)
-        self.service = GenerationService(self.engine, tokenizer, model_name=model_name, limits=args.limits)
+        self.service = GenerationService(self.engine, tokenizer, model_name=model_name, limits=args.limits,
+                                         overload=OverloadPolicy.from_config(config))
         self.replica_id = serve.get_replica_context().replica_tag
         self._headers = {"x-raypaged-replica": self.replica_id}  # which replica answered
         self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
@@ -78,12 +80,12 @@ class RaypagedDeployment:
         return await self.openai.health()
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> Any:
-        return await self.openai.completions(body)
+    async def completions(self, body: CompletionRequest, timeout: RequestTimeout = None) -> Any:
+        return await self.openai.completions(body, timeout)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
-        return await self.openai.chat_completions(body)
+    async def chat_completions(self, body: ChatCompletionRequest, timeout: RequestTimeout = None) -> Any:
+        return await self.openai.chat_completions(body, timeout)
 
     # ---- raypaged.v1 through Serve's gRPC proxy ------------------------------------------------
     # A request whose bytes did not parse arrives as an Undecodable (serve/grpc_ingress.py).
@@ -120,6 +122,9 @@ class RaypagedDeployment:
         if grpc_context is not None:
             grpc_context.set_code(refusal.grpc_code)
             grpc_context.set_details(refusal.message)
+            retry_after = (refusal.headers or {}).get("Retry-After")
+            if retry_after is not None:
+                grpc_context.set_trailing_metadata((("retry-after", retry_after),))
 
     # ---- operations: Serve calls, handle calls -------------------------------------------------
     async def check_health(self) -> None:

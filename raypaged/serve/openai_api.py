@@ -10,10 +10,11 @@ own. Errors leave as OpenAIError, which `install_error_handlers` answers in Open
 # No `from __future__ import annotations`: the route methods' body models must be real classes.
 import contextlib
 import json
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -30,6 +31,10 @@ from raypaged.serve.openai_responses import ResponseBuilder
 from raypaged.text.chat_parsing import ChatParsing
 
 ParserFactory = Callable[[], ChatChoiceParser]  # one parser per chat choice
+# A request's own timeout in seconds, in place of the server's request_timeout_s: past it the
+# request is aborted and answered 504 (an error event once a stream has begun). A header, not a
+# body field, so that any OpenAI client can send it (extra_headers) without a schema change.
+RequestTimeout = Annotated[float | None, Header(alias="X-Request-Timeout")]
 
 # The routes, by the OpenAIFrontDoor method that answers each: what every front door serves.
 ROUTES: tuple[tuple[str, str, str], ...] = (
@@ -105,10 +110,11 @@ class OpenAIFrontDoor:
         alive = self.service.engine.is_alive and self.service.accepting
         return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
 
-    async def completions(self, body: CompletionRequest) -> Any:
-        return await self._respond(body, chat=False, build=lambda: (body.to_generate_request(), None))
+    async def completions(self, body: CompletionRequest, timeout: RequestTimeout = None) -> Any:
+        return await self._respond(body, chat=False, build=lambda: (body.to_generate_request(), None),
+                                   timeout_s=timeout)
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+    async def chat_completions(self, body: ChatCompletionRequest, timeout: RequestTimeout = None) -> Any:
         def build() -> tuple[pb.GenerateRequest, ParserFactory | None]:
             plan = body.tool_plan(self.parsing)
             max_chars = self.service.model.max_model_len * self.service.limits.max_prompt_chars_per_token
@@ -116,7 +122,7 @@ class OpenAIFrontDoor:
                                         tools=plan.tools)
             return body.to_generate_request(ids, plan), self._chat_parser(body, plan)
 
-        return await self._respond(body, chat=True, build=build)
+        return await self._respond(body, chat=True, build=build, timeout_s=timeout)
 
     def _chat_parser(self, body: ChatCompletionRequest, plan: ToolPlan) -> ParserFactory | None:
         """What reads each choice of the answer; None: the text is the content."""
@@ -130,9 +136,13 @@ class OpenAIFrontDoor:
                                         parallel=plan.parallel)
 
     async def _respond(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
-                       build: Callable[[], tuple[pb.GenerateRequest, ParserFactory | None]]) -> Any:
+                       build: Callable[[], tuple[pb.GenerateRequest, ParserFactory | None]],
+                       timeout_s: float | None = None) -> Any:
         if body.model is not None and body.model not in self.model_names:
             raise self.refused(model_not_found(body.model, self.model_names))
+        if timeout_s is not None and not (0 < timeout_s < math.inf):
+            raise self.refused(OpenAIError(400, f"X-Request-Timeout must be a positive number of "
+                                                f"seconds, got {timeout_s}", param="X-Request-Timeout"))
         try:
             message, parser_factory = build()
         except Exception as e:
@@ -149,7 +159,7 @@ class OpenAIFrontDoor:
             num_logprobs=completion.logprobs if completion is not None else None,
             echo_logprobs=completion is not None and completion.echo_logprobs,
             prompt_logprobs=body.prompt_logprobs, chat_parser=parser_factory)
-        stream = self.service.generate(message)
+        stream = self.service.generate(message, timeout_s)
         # Pull the first message before answering: a refused request (validation, full queue,
         # engine gone) then gets its HTTP status, not a 200 stream that carries an error.
         try:

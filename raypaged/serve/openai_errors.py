@@ -2,7 +2,9 @@
 
 The classification is the gRPC frontend's (frontend/errors.py: status_for), so both transports
 refuse the same requests for the same reasons; only the codes differ:
-INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500.
+INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429 (with Retry-After when the server
+estimated one), UNAVAILABLE 503, DEADLINE_EXCEEDED 504 (a request past its timeout), anything
+else 500.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from typing import Any
 
 import grpc
 
-from raypaged.frontend.errors import status_for
+from raypaged.frontend.errors import retry_after_header, retry_after_s, status_for
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 # OpenAI's error types by status; any other 4xx (405, 413, 415, …) is the client's mistake.
 ERROR_TYPE = {
@@ -59,7 +62,9 @@ class OpenAIError(Exception):
         if isinstance(error, OpenAIError):
             return error
         code, message = status_for(error)
-        return cls(HTTP_STATUS.get(code, 500), message, grpc_code=code)
+        retry_after = retry_after_s(error)
+        headers = None if retry_after is None else {"Retry-After": retry_after_header(retry_after)}
+        return cls(HTTP_STATUS.get(code, 500), message, grpc_code=code, headers=headers)
 
 
 def model_not_found(requested: str, served: str | Sequence[str]) -> OpenAIError:

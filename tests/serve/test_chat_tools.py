@@ -66,7 +66,8 @@ class _ScriptedService:
         self.script = script
         self.requests: list[pb.GenerateRequest] = []
 
-    async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, message: pb.GenerateRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         self.requests.append(message)
         n = message.sampling_params.n or 1
         pieces = [self.script[i:i + 3] for i in range(0, len(self.script), 3)]

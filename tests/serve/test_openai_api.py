@@ -50,9 +50,12 @@ class _Service:
         self.model = SimpleNamespace(max_model_len=64)
         self.limits = RequestLimits()
         self.requests: list[pb.GenerateRequest] = []
+        self.timeouts: list[float | None] = []
 
-    async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, message: pb.GenerateRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         self.requests.append(message)
+        self.timeouts.append(timeout_s)
         params = message.sampling_params
         n = params.n if params.HasField("n") else 1
         logprobs = params.HasField("logprobs")
@@ -258,7 +261,8 @@ def test_engine_refusal_of_a_spec_is_a_400(service):
     from the service's generate) is answered 400 with its message, not a 500."""
     from raypaged.core.errors import InvalidRequestError
 
-    async def refuse(message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def refuse(message: pb.GenerateRequest,
+                     timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         raise InvalidRequestError("structured output regex is invalid: unbalanced parenthesis")
         yield  # pragma: no cover
 
@@ -276,3 +280,63 @@ def test_an_unexpected_error_is_a_500_in_openais_shape(service):
     assert response.status_code == 500
     error = ErrorObject.model_validate(response.json()["error"])
     assert error.type == "server_error" and error.message
+
+
+def test_a_shed_request_is_a_429_with_retry_after(service):
+    """ShedError (frontend/load_shedding.py) before the first message: 429 in OpenAI's shape
+    with Retry-After in whole seconds, rounded up; streamed requests alike (no 200 first)."""
+    from raypaged.frontend.load_shedding import ShedError
+
+    async def shed(message: pb.GenerateRequest,
+                   timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        raise ShedError("the server is overloaded (3 requests are waiting); try again later",
+                        "waiting_requests", 2.2)
+        yield  # pragma: no cover
+
+    service.generate = shed
+    for stream in (False, True):
+        response = _client(service).post("/v1/completions", json={"prompt": "hi", "stream": stream})
+        assert response.status_code == 429 and response.headers["retry-after"] == "3"
+        error = ErrorObject.model_validate(response.json()["error"])
+        assert error.type == "rate_limit_error" and "overloaded" in error.message
+
+
+def test_request_timeout_header_reaches_the_service_and_is_checked(service):
+    client = _client(service)
+    assert client.post("/v1/completions", json={"prompt": "hi"},
+                       headers={"X-Request-Timeout": "2.5"}).status_code == 200
+    assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                       headers={"X-Request-Timeout": "7"}).status_code == 200
+    client.post("/v1/completions", json={"prompt": "hi"})
+    assert service.timeouts == [2.5, 7.0, None]
+    for bad in ("0", "-1", "soon", "inf"):
+        response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Timeout": bad})
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert len(service.requests) == 3  # the refused ones never reached the service
+
+
+def test_a_timeout_is_a_504_before_the_stream_and_an_error_event_within_it(service):
+    from raypaged.core.errors import RequestTimeoutError
+
+    async def times_out(message: pb.GenerateRequest,
+                        timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        if message.sampling_params.max_tokens == 1:
+            raise RequestTimeoutError(f"request ran past its {timeout_s:g} s timeout")
+        yield pb.GenerateResponse(request_id=message.request_id,
+                                  outputs=[pb.CompletionDelta(index=0, token_ids=[5], text="He")])
+        raise RequestTimeoutError(f"request ran past its {timeout_s:g} s timeout")
+
+    service.generate = times_out
+    client = _client(service)
+    headers = {"X-Request-Timeout": "0.5"}
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
+    assert response.status_code == 504 and "0.5 s timeout" in response.json()["error"]["message"]
+    whole = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8}, headers=headers)
+    assert whole.status_code == 504  # not streamed: the whole answer is the error
+    streamed = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": True},
+                           headers=headers)
+    assert streamed.status_code == 200
+    events = _events(streamed.text)
+    assert events[0]["choices"][0]["text"] == "He"
+    assert "timeout" in ErrorObject.model_validate(events[-1]["error"]).message
