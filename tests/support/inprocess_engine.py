@@ -13,7 +13,7 @@ from typing import Any
 
 from raypaged.config import EngineConfig
 from raypaged.core.group_progress import GroupProgress
-from raypaged.core.outputs import EngineCoreOutput
+from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import Request
 from raypaged.engine.core import EngineCore
 
@@ -29,9 +29,14 @@ class InProcessEngine:
             "tensor_parallel_size": core.config.parallel.tensor_parallel_size,
             "eos_token_ids": list(core.eos_token_ids)}
         self.is_alive = True
+        self.load: EngineLoad | None = None  # as the actor's client keeps it: after each step
         self._queues: dict[str, collections.deque[EngineCoreOutput]] = {}
 
-    async def generate(self, request: Request) -> AsyncGenerator[EngineCoreOutput, None]:
+    async def generate(self, request: Request,
+                       timeout_s: float | None = None) -> AsyncGenerator[EngineCoreOutput, None]:
+        """The real client's signature; timeouts are that client's (tests/frontend/test_overload.py)."""
+        if timeout_s is not None:
+            raise NotImplementedError("the in-process engine runs no request timeouts")
         group_id = request.group_id
         self.core.add_request(request)
         queue = self._queues[group_id] = collections.deque()
@@ -43,6 +48,9 @@ class InProcessEngine:
                     for out in self.core.step():
                         if out.group_id in self._queues:
                             self._queues[out.group_id].append(out)
+                    scheduler = self.core.scheduler
+                    self.load = EngineLoad(scheduler.num_waiting, scheduler.num_running,
+                                           scheduler.kv_cache_manager.usage)
                     await asyncio.sleep(0)  # let the other streams read theirs
                 out = queue.popleft()
                 yield out
