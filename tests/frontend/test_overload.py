@@ -13,6 +13,7 @@ past its timeout (X-Request-Timeout, or the server's request_timeout_s) is abort
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +29,7 @@ from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.server import ServerConfig
 from raypaged.serve.openai_api import OpenAIFrontDoor
 from raypaged.serve.standalone_http import HTTPServer, build_http_app
-from tests.support.checkpoints import checkpoint_dir
+from tests.support.checkpoints import copy_checkpoint
 from tests.support.frontend_harness import ServerThread, init_ray
 from tests.support.hf_oracle import hf_greedy, random_prompts
 
@@ -36,13 +37,22 @@ pytestmark = pytest.mark.integration
 
 MAX_WAITING = 3
 MAX_WAITING_TOKENS = 100
-BLOCKER_TOKENS = 240  # far longer than any burst takes to be decided
+# The blockers' length: thousands of engine steps, far longer than any test takes to decide
+# (a few seconds of waits at most), on any machine. The checkpoint is the llama one with room
+# for them (max_position_embeddings raised; same weights).
+BLOCKER_TOKENS = 4000
+RUNNING_TOKENS = 240  # a stream checked to its end against transformers
 VOCAB = 320
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(checkpoint_dir("llama"))
+def model_dir(tmp_path_factory) -> str:
+    def roomy(path):
+        config = json.loads((path / "config.json").read_text())
+        config["max_position_embeddings"] = 4096
+        (path / "config.json").write_text(json.dumps(config))
+
+    return str(copy_checkpoint("llama", tmp_path_factory.mktemp("overload") / "llama", roomy))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,7 @@ def server(model_dir):
     init_ray()
     policy = OverloadPolicy(max_waiting_requests=MAX_WAITING, max_waiting_tokens=MAX_WAITING_TOKENS)
     running = ServerThread(
-        EngineConfig(model=model_dir, device="cpu", num_gpu_blocks_override=96, max_num_seqs=2),
+        EngineConfig(model=model_dir, device="cpu", num_gpu_blocks_override=640, max_num_seqs=2),
         ServerConfig(port=0, metrics_port=0, stats_interval_s=0.1, overload=policy))
 
     async def start_http() -> HTTPServer:
@@ -246,11 +256,11 @@ def test_a_running_stream_past_its_timeout_ends_with_an_error_and_frees_its_bloc
     """A streamed request running beside another, past its X-Request-Timeout: it ends with a
     timeout error (an error event after its first chunks; a 504 should no chunk come in time),
     is aborted in the engine, and the other one goes on to its full, correct output. The
-    timeout is short against the request's length: 240 tokens in 0.3 s would take an engine
-    step of 1.25 ms or less at two requests, several times faster than this engine's host work
-    a step on any machine; a loaded machine only makes the timeout come sooner."""
+    timeout is short against the request's length: 4,000 tokens in 0.3 s would take an engine
+    step of 75 us at two requests, far faster than this engine's host work a step on any
+    machine; a loaded machine only makes the timeout come sooner."""
     other_prompt = random_prompts([8], VOCAB, seed=105)[0]
-    other = client.stream(other_prompt, max_tokens=BLOCKER_TOKENS, **greedy())
+    other = client.stream(other_prompt, max_tokens=RUNNING_TOKENS, **greedy())
     other_tokens = list(next(other).outputs[0].token_ids)
     chunks, error = [], None
     try:
@@ -265,5 +275,5 @@ def test_a_running_stream_past_its_timeout_ends_with_an_error_and_frees_its_bloc
     assert isinstance(error, openai.APIStatusError) == (not chunks)  # 504 only before any chunk
     for chunk in other:  # the other request was never touched
         other_tokens += chunk.outputs[0].token_ids
-    assert other_tokens == hf_greedy(model_dir, tuple(other_prompt), BLOCKER_TOKENS)
+    assert other_tokens == hf_greedy(model_dir, tuple(other_prompt), RUNNING_TOKENS)
     assert_nothing_left(server)
