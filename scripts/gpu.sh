@@ -21,7 +21,9 @@
 #
 # Suites (minutes on one H200, from the last runs; a device call is at most 10 minutes):
 #   tests        every GPU-marked test (bf16 kernels at the 8B's shapes, PDL on/off bit for bit,
-#                the engine against transformers in fp32 with CUDA graphs), ~4
+#                the engine against transformers in fp32 with CUDA graphs, windows and soft caps,
+#                FP8, logit_bias / prompt logprobs and constrained requests with graphs; carry .whl
+#                for xgrammar), ~4 before this session's additions (not yet timed with them)
 #   kernels      decode / prefill attention against FlashInfer (the .whl/ wheels, carried) and SDPA:
 #                bandwidth, TFLOP/s, targets -> kernels_h200.json, .png, ~6 (FlashInfer compiles ~2-3)
 #   decode       the 8B engine's decode step at batch 1, 8, 64, 256 -> decode_8b_h200.json, .png, ~3
@@ -114,7 +116,7 @@ gpu_test_files() {  # the files holding GPU tests: collecting the whole suite wo
 
 suite() {
     case $1 in
-        tests) use_xgrammar; bench tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
+        tests) use_xgrammar; bench tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
         kernels) use_wheels; bench kernels 450 python3 -m benchmarks.bench_kernels --out "$OUT_DIR" ;;
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
