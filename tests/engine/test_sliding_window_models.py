@@ -18,6 +18,7 @@ import torch
 
 from raypaged import LLM, SamplingParams
 from tests.support.checkpoints import checkpoint_dir
+from tests.support.engine_runs import generate_once
 from tests.support.hf_oracle import assert_matches_hf, random_prompts, vocab_of
 
 WINDOWED = ["gemma2", "gemma3", "mistral-window"]
@@ -25,17 +26,8 @@ MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(params=[False, True], ids=["sync", "async"])
-def async_scheduling(request) -> bool:
-    return request.param
-
-
 def run(name: str, prompts: list[list[int]], params=GREEDY, **engine_kwargs):
-    llm = LLM(str(checkpoint_dir(name)), **engine_kwargs)
-    try:
-        return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    finally:
-        llm.shutdown()
+    return generate_once(name, prompts, params, **engine_kwargs)
 
 
 def assert_varied(results) -> None:

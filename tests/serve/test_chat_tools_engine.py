@@ -113,3 +113,15 @@ def test_second_turn_with_the_tool_result(api):
     assert second.choices[0].finish_reason == "length" and second.usage.prompt_tokens > first.usage.prompt_tokens
     again = valid_calls(_create(api, messages=messages, tool_choice="required", parallel_tool_calls=False))
     assert len(again[0]) == 1
+
+
+def test_a_request_past_its_timeout_is_a_504_and_the_engine_serves_on(api):
+    """X-Request-Timeout reaches the engine (the in-process one keeps it as the real client
+    does): a request given far less time than its 120 tokens take is answered 504."""
+    with pytest.raises(openai.APIStatusError) as raised:
+        api.chat.completions.create(model="demo", messages=USER, max_tokens=120, temperature=0.0,
+                                    extra_body={"ignore_eos": True},
+                                    extra_headers={"X-Request-Timeout": "0.001"})
+    assert raised.value.status_code == 504 and "timeout" in raised.value.message
+    after = api.chat.completions.create(model="demo", messages=USER, max_tokens=4, temperature=0.0)
+    assert after.choices[0].finish_reason in ("stop", "length")

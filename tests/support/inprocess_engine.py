@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from raypaged.config import EngineConfig
+from raypaged.core.errors import RequestTimeoutError
 from raypaged.core.group_progress import GroupProgress
 from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import Request
@@ -34,9 +35,10 @@ class InProcessEngine:
 
     async def generate(self, request: Request,
                        timeout_s: float | None = None) -> AsyncGenerator[EngineCoreOutput, None]:
-        """The real client's signature; timeouts are that client's (tests/frontend/test_overload.py)."""
-        if timeout_s is not None:
-            raise NotImplementedError("the in-process engine runs no request timeouts")
+        """As the real client: past timeout_s the stream raises RequestTimeoutError (the request
+        is then aborted in the engine)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         group_id = request.group_id
         self.core.add_request(request)
         queue = self._queues[group_id] = collections.deque()
@@ -45,6 +47,8 @@ class InProcessEngine:
         try:
             while True:
                 while not queue:
+                    if deadline is not None and loop.time() > deadline:
+                        raise RequestTimeoutError(f"request {group_id!r} ran past its {timeout_s:g} s timeout")
                     for out in self.core.step():
                         if out.group_id in self._queues:
                             self._queues[out.group_id].append(out)
