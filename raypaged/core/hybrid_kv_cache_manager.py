@@ -307,12 +307,19 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
         state = self._requests.get(request_id)
         return list(state.groups[0].block_ids) if state is not None else []
 
-    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
-        """Every group's table, in group order ([] per group if it holds none)."""
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def get_group_block_ids(self, request_id: str, last: int | None = None) -> list[list[int]]:
+        """Every group's table, in group order ([] per group if it holds none); only the last
+        `last` entries of each if given (what a step appended: every table grows alike)."""
         state = self._requests.get(request_id)
         if state is None:
             return [[] for _ in self.groups]
-        return [list(table.block_ids) for table in state.groups]
+        if last is None:
+            return [list(table.block_ids) for table in state.groups]
+        return [table.block_ids[len(table.block_ids) - last:] for table in state.groups]
 
     def can_fit(self, num_tokens: int) -> bool:
         step = self.max_tokens_per_step or num_tokens

@@ -112,6 +112,16 @@ class KVCacheManagerInterface(ABC):
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] if it holds none)."""
 
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups (core/kv_cache_groups.py): one table per group per request."""
+        return 1
+
+    def get_group_block_ids(self, request_id: str, last: int | None = None) -> list[list[int]]:
+        """Every group's table, in group order (the last `last` entries of each if given)."""
+        table = self.get_block_ids(request_id)
+        return [table if last is None else table[len(table) - last:]]
+
     @abstractmethod
     def can_fit(self, num_tokens: int) -> bool:
         """Could an empty pool ever hold a request of this many tokens?"""

@@ -27,6 +27,9 @@ class NewRequestData:
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # K/V already in the cache (prefix hit, or forked from a parent)
     eos_token_id: int | None = None  # masked with the stop ids until min_tokens are out
+    # Models whose layers differ (core/kv_cache_groups.py): every KV-cache group's whole table,
+    # in group order (block_ids is group 0's). None with one group.
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -69,6 +72,10 @@ class SchedulerOutput:
     grammar_deferred: bool = False
     deferred_bitmask: object | None = None
     deferred_req_ids: list[str] = field(default_factory=list)
+    # Models whose layers differ: for each cached request whose table grew, every KV-cache
+    # group's appended block ids, in group order (new_block_ids holds group 0's). Empty with
+    # one group (core/group_tables.py fills it).
+    group_new_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -36,6 +36,7 @@ from typing import ClassVar, cast
 
 from raypaged.core.admission import check_new_request
 from raypaged.core.errors import NoFreeBlocksError
+from raypaged.core.group_tables import attach_group_tables
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface, KVCacheStats
 from raypaged.core.kv_cache_manager import KVCacheManager
 from raypaged.core.outputs import (
@@ -163,6 +164,7 @@ class Scheduler:
         budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.kv_cache_manager.take_block_copies()
+        attach_group_tables(out, self.kv_cache_manager)
         self._update_after_schedule(out)
         return out
 

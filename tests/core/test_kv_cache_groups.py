@@ -304,22 +304,28 @@ def test_one_full_group_hands_out_the_plain_managers_blocks(block_size, num_bloc
     run_both(block_size, num_blocks, caching, ops, seed)
 
 
-def run_scheduler_on_groups(config, windows, ops, seed: int) -> None:
-    """The real scheduler (n > 1 forks, aborts, preemption, chunking, async) over a full group and
-    sliding ones. The ShadowWorker gets group 0's table (the full group) and checks its reads."""
+def run_scheduler_on_groups(config, windows, ops, seed: int, with_full: bool = True) -> None:
+    """The real scheduler (n > 1 forks, aborts, preemption, chunking, async) over sliding groups,
+    after a full one or not. The ShadowWorker applies every group's tables as the scheduler
+    output carries them (core/group_tables.py) and checks each group's reads over its window."""
     rng = random.Random(seed)
-    groups = (KVCacheGroupSpec(None),) + tuple(KVCacheGroupSpec(w) for w in windows)
+    groups = tuple(KVCacheGroupSpec(w) for w in ((None,) if with_full else ()) + tuple(windows))
     kv = HybridKVCacheManager(config.num_blocks, config.block_size, groups,
                               enable_prefix_caching=config.enable_prefix_caching,
                               max_tokens_per_step=config.max_num_batched_tokens)
     scheduler = make_scheduler(config, kv)
     worker = ShadowWorker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
-                          one_behind=config.async_scheduling)
+                          one_behind=config.async_scheduling,
+                          windows=tuple(g.sliding_window for g in groups))
     engine, log = ShadowEngine(scheduler, worker), OutputLog()
 
     def checked() -> None:
         log.note(scheduler)
         check(kv, {r.request_id: r for r in scheduler.running}, None, config.max_num_batched_tokens)
+        for rid in scheduler._on_workers:  # the worker's tables: the manager's, where it holds a block
+            for held, told in zip(kv.get_group_block_ids(rid), worker.requests[rid].group_block_ids):
+                assert len(held) == len(told)
+                assert all(a == b for a, b in zip(held, told) if a != NULL_BLOCK_ID), rid
         assert all(not any(t) for r in scheduler.waiting
                    for t in kv.get_group_block_ids(r.request_id)), "a waiting request holds blocks"
 
@@ -353,14 +359,17 @@ windows_lists = st.lists(st.integers(1, 9), min_size=1, max_size=3)
 
 @FAST
 @given(config=scheduler_configs(), windows=windows_lists, ops=operations, seed=st.integers(0, 2**32 - 1),
-       async_scheduling=st.booleans())
-def test_scheduler_on_groups_random_sequences(config, windows, ops, seed, async_scheduling):
-    run_scheduler_on_groups(dataclasses.replace(config, async_scheduling=async_scheduling), windows, ops, seed)
+       async_scheduling=st.booleans(), with_full=st.booleans())
+def test_scheduler_on_groups_random_sequences(config, windows, ops, seed, async_scheduling, with_full):
+    run_scheduler_on_groups(dataclasses.replace(config, async_scheduling=async_scheduling), windows,
+                            ops, seed, with_full)
 
 
 @pytest.mark.slow
 @SLOW
 @given(config=scheduler_configs(), windows=windows_lists, ops=operations, seed=st.integers(0, 2**32 - 1),
-       async_scheduling=st.booleans())
-def test_scheduler_on_groups_random_sequences_many(config, windows, ops, seed, async_scheduling):
-    run_scheduler_on_groups(dataclasses.replace(config, async_scheduling=async_scheduling), windows, ops, seed)
+       async_scheduling=st.booleans(), with_full=st.booleans())
+def test_scheduler_on_groups_random_sequences_many(config, windows, ops, seed, async_scheduling,
+                                                   with_full):
+    run_scheduler_on_groups(dataclasses.replace(config, async_scheduling=async_scheduling), windows,
+                            ops, seed, with_full)

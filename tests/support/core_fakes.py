@@ -43,9 +43,13 @@ class _WorkerRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     n: int
-    block_ids: list[int]
+    group_block_ids: list[list[int]]  # one table per KV-cache group
     num_computed: int
     logprobs: bool  # asked for: its sampled tokens come with logprobs
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.group_block_ids[0]
 
 
 class ShadowWorker:
@@ -55,12 +59,20 @@ class ShadowWorker:
 
     one_behind: as the runner under asynchronous scheduling, each call answers the previous
     step (the first answers nothing), and a placeholder token the diff brings is replaced by the
-    token this worker sampled for that position in the previous step."""
+    token this worker sampled for that position in the previous step.
+
+    windows: the KV-cache groups' sliding windows (None: full), as the manager's groups; one
+    table per group per request, every group's layers written, and each group's reads checked
+    over what its layers read: a full group every earlier position, a sliding one the window
+    (p - W, p] of each query p. A slot holds (group, prefix id), so a block read through the
+    wrong group's table, or reused by another request while still in a window, fails."""
 
     def __init__(self, num_blocks: int, block_size: int, sample: Callable[[str, int], int],
-                 rng: random.Random | None = None, one_behind: bool = False) -> None:
+                 rng: random.Random | None = None, one_behind: bool = False,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.block_size = block_size
-        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.windows = windows
+        self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.requests: dict[str, _WorkerRequest] = {}
         self.sample = sample
         self.rng = rng or random.Random(0)
@@ -97,8 +109,11 @@ class ShadowWorker:
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.requests, f"{new.req_id!r} sent new while held"
+            tables = new.group_block_ids or [new.block_ids]
+            assert len(tables) == len(self.windows) and tables[0] == new.block_ids
             self.requests[new.req_id] = _WorkerRequest(list(new.token_ids), new.num_prompt_tokens,
-                                                       new.sampling_params.n, list(new.block_ids),
+                                                       new.sampling_params.n,
+                                                       [list(t) for t in tables],
                                                        new.num_computed_tokens,
                                                        new.sampling_params.logprobs is not None)
         for req_id, token_ids, block_ids, num_computed in zip(
@@ -110,7 +125,12 @@ class ShadowWorker:
             assert all(a == b or PLACEHOLDER_TOKEN_ID in (a, b) for a, b in zip(known, token_ids)), \
                 f"{req_id!r}: diff rewrites known tokens"
             state.token_ids[num_computed:end] = token_ids
-            state.block_ids.extend(block_ids)
+            grown = out.group_new_block_ids.get(req_id)
+            if grown is None:  # only a grown table has an entry
+                grown = [block_ids] if len(self.windows) == 1 or block_ids else [[]] * len(self.windows)
+            assert len(grown) == len(self.windows) and grown[0] == block_ids
+            for table, appended in zip(state.group_block_ids, grown):
+                table.extend(appended)
         # Copy-on-write before the forward, as one gather then scatter.
         dsts = [dst for _, dst in out.block_copies]
         assert len(set(dsts)) == len(dsts) and not set(dsts) & {src for src, _ in out.block_copies}
@@ -130,16 +150,22 @@ class ShadowWorker:
             assert PLACEHOLDER_TOKEN_ID not in state.token_ids[: c + n], f"{req_id!r}: unfilled placeholder"
             assert len(state.block_ids) * B >= c + n, f"{req_id!r}: no slot for its tokens"
             ids = prefix_ids(state.token_ids[: c + n])
-            for pos in range(c, c + n):
-                self.kv[state.block_ids[pos // B]][pos % B] = ids[pos]
+            for g, table in enumerate(state.group_block_ids):
+                for pos in range(c, c + n):
+                    assert table[pos // B] >= 0, f"{req_id!r} writes into a dropped block"
+                    self.kv[table[pos // B]][pos % B] = (g, ids[pos])
         result = ModelRunnerOutput()
         for req_id, n in order:
             state = self.requests[req_id]
             c = state.num_computed
             ids = prefix_ids(state.token_ids[: c + n])
-            for pos in range(c + n):
-                got = self.kv[state.block_ids[pos // B]][pos % B]
-                assert got == ids[pos], f"{req_id!r} reads a wrong K/V at position {pos}"
+            for g, (window, table) in enumerate(zip(self.windows, state.group_block_ids)):
+                # The step's queries c .. c+n-1 read from the earliest one's window on.
+                for pos in range(0 if window is None else max(0, c - window + 1), c + n):
+                    block = table[pos // B]
+                    assert block >= 0, f"{req_id!r}: position {pos} of group {g} was dropped"
+                    got = self.kv[block][pos % B]
+                    assert got == (g, ids[pos]), f"{req_id!r} reads a wrong K/V at position {pos}"
             state.num_computed = c + n
             sampled: list[int] = []
             if c + n == len(state.token_ids):
