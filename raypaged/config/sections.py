@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from raypaged.config.base import ConfigError, check, check_choices, parse_bytes, setting
+from raypaged.core.kv_cache_groups import KVCacheGroupSpec, group_layers
 from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 
 KV_CACHE_MODES = ("paged", "contiguous")
@@ -121,10 +122,24 @@ class CacheSettings:
     kv_cache_mode: str = setting(
         "paged", "paged: blocks on demand; contiguous: each request reserves max_model_len slots "
                  "up front", choices=KV_CACHE_MODES)
+    kv_cache_groups: bool = setting(
+        True, "paged, for models with sliding-window layers: one block table per group of layers "
+              "of one attention kind, sliding ones holding only their window's blocks "
+              "(--no-kv-cache-groups: every layer one full-length table)")
 
     def validate(self) -> None:
         check_choices(self)
         check([(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")])
+
+    def kv_groups(self, layer_windows: tuple[int | None, ...]) -> tuple[KVCacheGroupSpec, ...]:
+        """The KV-cache groups of a model whose layer i has sliding window layer_windows[i]
+        (None: full): what the engine's manager and every worker's pool are built from, so both
+        ask here. One full group of every layer unless the paged pool groups a model with a
+        sliding layer."""
+        if self.kv_cache_mode == "paged" and self.kv_cache_groups \
+                and any(w is not None for w in layer_windows):
+            return group_layers(layer_windows)
+        return (KVCacheGroupSpec(None, tuple(range(len(layer_windows)))),)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from raypaged.config import EngineConfig
 from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
+from raypaged.core.kv_cache_groups import make_kv_cache_manager
+from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
 from raypaged.core.parallel_sampling import end_records
 from raypaged.core.request import FinishReason, Request, RequestStatus
@@ -91,7 +93,8 @@ class EngineCore:
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
         contiguous = config.cache.kv_cache_mode == "contiguous"
         self.scheduler = make_scheduler(config.scheduler.build(self.num_blocks, self.max_model_len),
-                                        kv_cache_manager=self._contiguous_manager() if contiguous else None)
+                                        kv_cache_manager=self._contiguous_manager() if contiguous
+                                        else self._paged_manager())
         self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
@@ -333,6 +336,15 @@ class EngineCore:
             logger.debug("executor shutdown after failure", exc_info=True)
         self.executor = self._executor_class(self.config, self.model_dir)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+
+    def _paged_manager(self) -> KVCacheManagerInterface:
+        """The paged manager over the model's KV-cache groups (the workers' pools are laid out
+        from the same config.cache.kv_groups): one table per group, sliding groups keeping only
+        their window."""
+        groups = self.config.cache.kv_groups(self.model_config.all_windows())
+        return make_kv_cache_manager(self.num_blocks, self.config.scheduler.block_size, groups,
+                                     self.config.scheduler.enable_prefix_caching,
+                                     max_tokens_per_step=self.max_num_batched_tokens)
 
     def _contiguous_manager(self) -> ContiguousKVCacheManager:
         """The reservation baseline (kv_cache_mode "contiguous"). A pool smaller than one

@@ -12,7 +12,8 @@ once. Both grids depend on shapes only, so one CUDA graph per batch size serves 
 lengths, and nothing is read on the host.
 
 A sliding window needs nothing here: its work list (planned with the window) starts each
-sequence's items at the window's first key. Soft-capping (SOFTCAP) maps each score s to
+sequence's items at the window's first key. A table entry of -1 (a block a sliding KV-cache
+group gave back) is never loaded through: its keys count as absent. Soft-capping (SOFTCAP) maps each score s to
 c · tanh(s / c) before the softmax.
 """
 
@@ -109,6 +110,9 @@ def _decode_kernel(
         tok_ok = tokens < end
         # Masked lanes never load: unused slots and table entries may hold anything (NaN).
         blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        # A freed table entry (-1: a sliding KV-cache group's block given back) is never
+        # loaded through; the work list never reaches one, except a CUDA graph's padding row.
+        tok_ok = tok_ok & (blocks >= 0)
         offsets = blocks * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot + head_offset
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
@@ -116,7 +120,8 @@ def _decode_kernel(
         if SOFTCAP:
             scores = tanh(scores) * softcap_log2
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Floored: a tile with no key to read for a row (all freed) leaves it at zero, not NaN.
+        m_new = tl.maximum(tl.maximum(m_i, tl.max(scores, 1)), -1e30)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)

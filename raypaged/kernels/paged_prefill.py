@@ -16,7 +16,8 @@ causal mask, no bounds checks) and a masked loop over the rest (the diagonal, a 
 
 A sliding window W (HAS_WINDOW; query p sees keys (p - W, p]) adds a masked loop at the window's
 lower edge and skips every tile wholly before the program's earliest window: those K/V are never
-loaded. Soft-capping (SOFTCAP) maps each score s to c · tanh(s / c) before the softmax.
+loaded, and a table entry of -1 there (a block a sliding KV-cache group gave back) is never
+loaded through. Soft-capping (SOFTCAP) maps each score s to c · tanh(s / c) before the softmax.
 
 The grid is (num_q_heads, num_tokens // BLOCK_M + num_seqs): the second is an upper bound on the
 query tiles of any varlen batch of that many tokens and requests, so it depends on shapes only.
@@ -110,6 +111,11 @@ def _attend_paged(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_of
             key_ok = key_ok & (key_pos >= key_floor)
         # Masked lanes never load: unused slots and table entries may hold anything (NaN).
         blocks = _load_tile(table_row + key_pos // BLOCK_SIZE, key_ok, MASKED)
+        if HAS_WINDOW and MASKED:
+            # A freed entry (-1, a block the sliding group gave back) is never loaded through.
+            # Only the window's edge can reach before it; the unmasked tiles are in every
+            # row's window, where the manager keeps every block.
+            key_ok = key_ok & (blocks >= 0)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         MASK_KV: tl.constexpr = MASKED or not EVEN_DIM
         slots = (key_pos % BLOCK_SIZE) * stride_cache_slot

@@ -108,6 +108,11 @@ def _attend(
     return out.reshape(n, num_heads, head_dim)
 
 
+def _first_key(first_query_pos: int, sliding_window: int | None) -> int:
+    """The first key position a request's earliest query reads."""
+    return 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)
+
+
 def _request_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -126,7 +131,7 @@ def _request_attention(
         return torch.zeros_like(q)
     first_query_pos = length - q.shape[0]
     # The earliest query's window starts here: nothing before it is read.
-    start = 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)
+    start = _first_key(first_query_pos, sliding_window)
     k = _gather_context(k_cache, block_row, length, start)
     v = _gather_context(v_cache, block_row, length, start)
     return _attend(q, k, v, first_query_pos, scale, compute_dtype, start, sliding_window,
@@ -159,7 +164,9 @@ def paged_prefill_ref(
     check_window_and_softcap(sliding_window, softcap)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
-    check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1])
+    firsts = [_first_key(length - (b - a), sliding_window)
+              for length, a, b in zip(lengths, starts, starts[1:])]
+    check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1], firsts)
     if starts[0] != 0 or starts[-1] != q.shape[0] or any(a > b for a, b in zip(starts, starts[1:])):
         raise ValueError(f"query_start_loc must rise from 0 to {q.shape[0]}, got {starts}")
     out = torch.empty_like(q)
@@ -191,7 +198,8 @@ def paged_decode_ref(
     check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     check_window_and_softcap(sliding_window, softcap)
     lengths = seq_lens.tolist()
-    check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1])
+    firsts = [_first_key(length - 1, sliding_window) for length in lengths]
+    check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1], firsts)
     out = torch.empty_like(q)
     for s, length in enumerate(lengths):
         if length == 0:  # batch padding attends to nothing

@@ -192,9 +192,12 @@ def new_token_kv(
     return torch.cat(keys), torch.cat(values)
 
 
-def poison_before_window(batch: PagedBatch, query_lens: list[int], window: int) -> None:
+def poison_before_window(batch: PagedBatch, query_lens: list[int], window: int,
+                         free_blocks: bool = True) -> None:
     """NaN into every slot no query of request s may read under a sliding window: the positions
-    before its earliest new query's window (p - window, p], so a kernel that reads them fails."""
+    before its earliest new query's window (p - window, p], so a kernel that reads them fails.
+    free_blocks: then the table entries wholly before the window become -1, as a sliding
+    KV-cache group's table holds the blocks it gave back: a kernel must not load through them."""
     for s, q_len in enumerate(query_lens):
         length = batch.keys[s].shape[0]
         floor = max(0, length - q_len - window + 1)
@@ -204,3 +207,5 @@ def poison_before_window(batch: PagedBatch, query_lens: list[int], window: int) 
             offsets = positions % batch.block_size
             batch.k_cache[blocks, offsets] = float("nan")
             batch.v_cache[blocks, offsets] = float("nan")
+            if free_blocks:
+                batch.block_tables[s, :floor // batch.block_size] = -1

@@ -100,9 +100,12 @@ def check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq
 
 
 def check_table_contents(
-    block_tables: torch.Tensor, seq_lens: list[int], num_blocks: int, block_size: int
+    block_tables: torch.Tensor, seq_lens: list[int], num_blocks: int, block_size: int,
+    first_keys: list[int] | None = None,
 ) -> None:
-    """Every length fits its table row and every block it uses exists. Reads data (syncs)."""
+    """Every length fits its table row and every block it uses exists. Reads data (syncs).
+    first_keys: per request, the first position read (a sliding window's start): the table's
+    entries wholly before it may be anything, a freed one (-1) included, and are not checked."""
     max_blocks = block_tables.shape[1]
     lengths = torch.tensor(seq_lens, dtype=torch.int64, device=block_tables.device)
     if lengths.numel() == 0:
@@ -113,7 +116,11 @@ def check_table_contents(
         raise ValueError(
             f"seq_len {int(lengths.max())} exceeds block table capacity {max_blocks * block_size}"
         )
-    needed = torch.arange(max_blocks, device=block_tables.device)[None, :] * block_size < lengths[:, None]
+    index = torch.arange(max_blocks, device=block_tables.device)[None, :]
+    needed = index * block_size < lengths[:, None]
+    if first_keys is not None:
+        firsts = torch.tensor(first_keys, dtype=torch.int64, device=block_tables.device)
+        needed &= (index + 1) * block_size > firsts[:, None]
     used = block_tables[needed]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         raise ValueError(f"block_tables uses block ids outside [0, {num_blocks})")

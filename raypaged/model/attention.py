@@ -8,10 +8,15 @@ prefill kernel on the rest, both writing into one output tensor.
 A sliding-window layer (Mistral, Gemma's local layers) reads only its window: its decode work
 list is planned with the window, once a step per distinct window, on the first layer that needs
 it (`window_decode_work`), so every layer of that window shares it.
+
+KV-cache groups (models whose layers differ: core/kv_cache_groups.py): each group has its own
+block tables and slot mapping; the metadata carries them all ([G, S, W], [G, T]) with each
+layer's group, and `for_layer(i)` is layer i's view (its group's tables, the rest shared).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -35,11 +40,17 @@ class AttentionMetadata:
     decode_work: torch.Tensor | None = None
     # The decode part's work lists of the sliding-window layers, by window (window_decode_work).
     window_decode_works: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    # KV-cache groups: every group's block tables [G, S, max_blocks] and slot mappings [G, T]
+    # (block_tables and slot_mapping above are group 0's), and layer i's group. () : one group.
+    group_block_tables: torch.Tensor | None = field(default=None, repr=False)
+    group_slot_mappings: torch.Tensor | None = field(default=None, repr=False)
+    layer_groups: tuple[int, ...] = ()
 
     # The prefill part's views, computed once here rather than in every layer.
     prefill_block_tables: torch.Tensor = field(init=False, repr=False)
     prefill_seq_lens: torch.Tensor = field(init=False, repr=False)
     prefill_query_start_loc: torch.Tensor = field(init=False, repr=False)
+    _group_views: dict[int, AttentionMetadata] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         num_seqs = self.seq_lens.shape[0]
@@ -57,6 +68,9 @@ class AttentionMetadata:
                 f"num_decodes {self.num_decodes} / num_decode_tokens {self.num_decode_tokens} "
                 f"invalid for {num_seqs} sequences (decodes carry exactly one token each)"
             )
+        if self.layer_groups and (self.group_block_tables is None or self.group_slot_mappings is None):
+            raise ValueError("layer_groups needs every group's block tables and slot mappings")
+        self._group_views = {}
         d = self.num_decodes
         self.prefill_block_tables = self.block_tables[d:]
         self.prefill_seq_lens = self.seq_lens[d:]
@@ -67,6 +81,22 @@ class AttentionMetadata:
         if self.num_decodes:
             self.decode_work = ops.plan_decode(self.seq_lens[: self.num_decodes], num_kv_heads,
                                                out=out)
+        self._group_views.clear()  # they copied the old decode_work
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """What layer `layer` reads: this metadata with one KV-cache group, else its group's
+        view (that group's tables and slots; lengths and work lists shared), made once a step."""
+        if not self.layer_groups:
+            return self
+        group = self.layer_groups[layer]
+        view = self._group_views.get(group)
+        if view is None:
+            assert self.group_block_tables is not None and self.group_slot_mappings is not None
+            view = self._group_views[group] = dataclasses.replace(
+                self, slot_mapping=self.group_slot_mappings[group],
+                block_tables=self.group_block_tables[group], group_block_tables=None,
+                group_slot_mappings=None, layer_groups=())
+        return view
 
     def window_decode_work(self, window: int, num_kv_heads: int) -> torch.Tensor | None:
         """The decode part's work list for layers of sliding window `window`: planned on the

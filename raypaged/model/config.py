@@ -178,6 +178,10 @@ class ModelConfig:
         """Layer `layer`'s sliding window (keys (p - W, p] for a query at p), None: full."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
+    def all_windows(self) -> tuple[int | None, ...]:
+        """Every layer's window_of, in layer order."""
+        return tuple(self.window_of(i) for i in range(self.num_hidden_layers))
+
     @property
     def attention_scale(self) -> float:
         scalar = self.query_pre_attn_scalar

@@ -172,7 +172,8 @@ class LlamaModel(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer i's paged attention (writes the step's K/V) -> [T, Hq·D], into `out` if given."""
-        attn_out = cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn(q, k, v, kv_cache, meta, out=out)
+        attn = cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn
+        attn_out = attn(q, k, v, kv_cache, meta.for_layer(i), out=out)
         return attn_out.reshape(attn_out.shape[0], -1)
 
     def post_attention(

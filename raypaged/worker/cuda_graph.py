@@ -5,6 +5,8 @@ launching them (~21 ms on the H200 against a 3.8 ms weight-read floor); replayin
 graph launches them all at once. Graphs need fixed addresses and fixed host-side values, so the
 step's inputs are copied into static buffers; the decode kernel's grid depends on the batch size
 only (paged_decode.py: its work items are found on the device), so any mix of lengths replays.
+With KV-cache groups every group's block tables and slot mapping are static inputs too (one
+buffer of [groups, …]); which group a layer reads is fixed at capture, never decided by data.
 """
 
 from __future__ import annotations
@@ -52,15 +54,21 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 max_num_seqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_blocks_per_req: int, device: torch.device,
+                 layer_groups: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.layer_groups = layer_groups
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         largest = self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(largest, max_blocks_per_req, dtype=torch.int32, device=device)
+        num_groups = max(layer_groups, default=0) + 1
+        self.group_slot_mappings = torch.full((num_groups, largest), -1, dtype=torch.int64, device=device)
+        self.group_block_tables = torch.zeros(num_groups, largest, max_blocks_per_req,
+                                              dtype=torch.int32, device=device)
+        self.slot_mapping = self.group_slot_mappings[0]
+        self.block_tables = self.group_block_tables[0]
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -71,7 +79,10 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[: size + 1],
-            num_decodes=size, num_decode_tokens=size, max_query_len=1)
+            num_decodes=size, num_decode_tokens=size, max_query_len=1,
+            group_block_tables=self.group_block_tables[:, :size] if self.layer_groups else None,
+            group_slot_mappings=self.group_slot_mappings[:, :size] if self.layer_groups else None,
+            layer_groups=self.layer_groups)
 
     @torch.inference_mode()
     def capture(self, pool: _POOL_HANDLE | None = None) -> _POOL_HANDLE | None:
@@ -106,14 +117,19 @@ class DecodeGraphs:
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
         self.seq_lens[:n].copy_(metadata.seq_lens)
         width = metadata.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(metadata.block_tables)
+        if metadata.group_block_tables is not None and metadata.group_slot_mappings is not None:
+            self.group_slot_mappings[:, :n].copy_(metadata.group_slot_mappings)
+            self.group_block_tables[:, :n, :width].copy_(metadata.group_block_tables)
+        else:
+            self.slot_mapping[:n].copy_(metadata.slot_mapping)
+            self.block_tables[:n, :width].copy_(metadata.block_tables)
         if size > n:
             # Padding rows write nothing and read one token of whatever block their stale
-            # table row names: valid memory, results discarded.
-            self.slot_mapping[n:size].fill_(-1)
+            # table row names: valid memory, or a freed entry (-1) the kernel does not load;
+            # results discarded.
+            self.group_slot_mappings[:, n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -33,6 +33,7 @@ from raypaged.structured.bitmask import apply_grammar_bitmask
 from raypaged.worker.async_output import InFlightTokens, add_sampled_tokens
 from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
+from raypaged.worker.kv_layout import unique_caches
 from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from raypaged.worker.prompt_logprobs import score_prompts
 from raypaged.worker.sampler import Sampler, SamplingMetadata
@@ -81,15 +82,21 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, vocab_size: int, device: torch.device,
-                 is_driver: bool = True, seed: int | None = None, async_output: bool = False) -> None:
+                 is_driver: bool = True, seed: int | None = None, async_output: bool = False,
+                 layer_groups: tuple[int, ...] = ()) -> None:
+        """layer_groups: layer i's KV-cache group (worker/kv_layout.py); () or all zeros: one
+        group, one table per request."""
         self.model = model
         self.kv_caches = kv_caches
+        self.num_groups = max(layer_groups, default=0) + 1
+        self.layer_groups = layer_groups if self.num_groups > 1 else ()
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         self.is_driver = is_driver  # rank 0 samples; the other ranks only run the forward
         self.requests: dict[str, CachedRequestState] = {}
-        self.block_table = BlockTable(max_blocks_per_req=-(-max_model_len // block_size))
+        self.block_table = BlockTable(max_blocks_per_req=-(-max_model_len // block_size),
+                                      num_groups=self.num_groups)
         self.sampler = Sampler(seed)
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
@@ -112,7 +119,8 @@ class ModelRunner:
                                                     self.device)
             pool = self.piecewise_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
-                                          self.block_table.max_blocks_per_req, self.device)
+                                          self.block_table.max_blocks_per_req, self.device,
+                                          self.layer_groups)
         self.decode_graphs.capture(pool)
 
     def release(self) -> None:
@@ -141,11 +149,12 @@ class ModelRunner:
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
-                row=self.block_table.add_row(new.block_ids),
+                row=self.block_table.add_row(new.group_block_ids or [new.block_ids]),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
             )
         cached = out.scheduled_cached_reqs
+        several_groups = self.num_groups > 1
         for req_id, token_ids, block_ids, num_computed in zip(
             cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
@@ -157,10 +166,15 @@ class ModelRunner:
                 tokens.extend([0] * (end - len(tokens)))
             tokens[num_computed:end] = token_ids
             state.num_computed_tokens = num_computed
-            self.block_table.append(state.row, block_ids)
+            if block_ids:
+                self.block_table.append(state.row, out.group_new_block_ids[req_id]
+                                        if several_groups else [block_ids])
         if out.block_copies:
+            # A block holds one group's layers: copied in every K/V pair once (layers of
+            # different groups share pairs).
+            pool = unique_caches(self.kv_caches)
             ops.copy_blocks(
-                [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                [k for k, _ in pool], [v for _, v in pool],
                 torch.tensor(out.block_copies, dtype=torch.int64, device=self.device),
             )
 
@@ -208,18 +222,17 @@ class ModelRunner:
         np.cumsum(query_lens, out=query_start_loc[1:])
         seq_lens = np.array(starts, dtype=np.int64) + query_lens
         # Each token's position: its request's start plus its index within this step's chunk.
+        # Tables and slots per KV-cache group: [groups, S, width] and [groups, T].
+        block_tables = self.block_table.gather(np.array([s.row for s in states]))
         if num_decodes == len(counts):
             positions = seq_lens - 1
-            block_tables = self.block_table.gather(np.array([s.row for s in states]))
-            slot_mapping = (block_tables[np.arange(num_tokens), positions // self.block_size]
-                            .astype(np.int64) * self.block_size + positions % self.block_size)
+            req_of_token = np.arange(num_tokens)
         else:
             positions = (np.arange(num_tokens)
                          + np.repeat(np.array(starts) - query_start_loc[:-1], query_lens))
-            block_tables = self.block_table.gather(np.array([s.row for s in states]))
             req_of_token = np.repeat(np.arange(len(counts)), query_lens)
-            slot_mapping = (block_tables[req_of_token, positions // self.block_size].astype(np.int64)
-                            * self.block_size + positions % self.block_size)
+        slot_mapping = (block_tables[:, req_of_token, positions // self.block_size].astype(np.int64)
+                        * self.block_size + positions % self.block_size)
         # Every row sampled once, in order (a plain decode step): no gather of the hidden states.
         all_rows = len(sample_rows) == num_tokens
         # One small copy per array. Packing them into one pinned buffer was measured slower on
@@ -229,14 +242,20 @@ class ModelRunner:
         if placeholders:
             self.in_flight.fill_placeholders(ids_t, placeholders)
         rows_t = None if all_rows else _to_device(np.array(sample_rows, dtype=np.int64), dev)
+        group_tables = group_slots = None
+        if self.layer_groups:
+            group_tables, group_slots = _to_device(block_tables, dev), _to_device(slot_mapping, dev)
         metadata = AttentionMetadata(
-            slot_mapping=_to_device(slot_mapping, dev),
-            block_tables=_to_device(block_tables, dev),
+            slot_mapping=group_slots[0] if group_slots is not None else _to_device(slot_mapping[0], dev),
+            block_tables=group_tables[0] if group_tables is not None else _to_device(block_tables[0], dev),
             seq_lens=_to_device(seq_lens.astype(np.int32), dev),
             query_start_loc=_to_device(query_start_loc.astype(np.int32), dev),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             max_query_len=max(counts),
+            group_block_tables=group_tables,
+            group_slot_mappings=group_slots,
+            layer_groups=self.layer_groups,
         )
         return StepInputs(states, ids_t, _to_device(positions, dev), metadata, rows_t,
                           row_states, sample_indices, placeholders, counts)

@@ -17,6 +17,7 @@ from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.loader import load_model
+from raypaged.worker.kv_layout import KVLayout
 from raypaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class Worker:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
         self.dtype = resolve_dtype(config.model_settings.dtype, self.device)
+        # The engine's KV manager is built from the same groups (EngineCore asks the same config).
+        self.kv_layout = KVLayout(config.cache.kv_groups(self.model_config.all_windows()),
+                                  self.model_config.num_hidden_layers)
         self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
         # The engine's token budget per step, told in determine_num_blocks: no piecewise graph
@@ -90,7 +94,8 @@ class Worker:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.config.scheduler.block_size * kv_heads * mc.head_dim * element
+        layers = self.kv_layout.layers_per_block  # a block holds one KV-cache group's layers
+        return 2 * layers * self.config.scheduler.block_size * kv_heads * mc.head_dim * element
 
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """How many KV blocks this rank can hold; the executor takes the minimum over ranks."""
@@ -154,13 +159,15 @@ class Worker:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
         shape = (num_blocks, self.config.scheduler.block_size, kv_heads, mc.head_dim)
-        kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                      torch.zeros(shape, dtype=self.dtype, device=self.device))
-                     for _ in range(mc.num_hidden_layers)]
+        pool = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.kv_layout.layers_per_block)]
+        kv_caches = self.kv_layout.per_layer(pool)
         self.runner = ModelRunner(self._loaded_model(), kv_caches, self.config.scheduler.block_size, max_model_len,
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
                                   seed=self.config.model_settings.seed,
-                                  async_output=self.config.scheduler.async_scheduling)
+                                  async_output=self.config.scheduler.async_scheduling,
+                                  layer_groups=self.kv_layout.layer_groups)
         if self.device.type == "cuda" and not self.config.compilation.enforce_eager:
             self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs,
                                             self._piecewise_max_tokens())

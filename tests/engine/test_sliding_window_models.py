@@ -58,7 +58,7 @@ def test_window_composes_with_caching_chunking_preemption():
     prompts = [shared + p for p in random_prompts([9, 4], vocab, seed=28)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm, results = run(name, prompts, params, block_size=8, enable_prefix_caching=True,
-                       max_num_batched_tokens=6, max_num_seqs=4, num_gpu_blocks_override=8)
+                       max_num_batched_tokens=6, max_num_seqs=4, num_gpu_blocks_override=14)
     assert llm.engine.scheduler.stats().num_preemptions > 0
     assert sum(r.num_cached_tokens for r in results) > 0
     assert_matches_hf(name, prompts, results, max_tokens=20)

@@ -97,6 +97,28 @@ def test_prefill_window_bf16_through_tma_descriptors():
                   seed=6)
 
 
+def test_decode_never_loads_through_a_freed_entry():
+    """A sliding KV-cache group's table holds -1 where it gave a block back (the checks above
+    free every block before each window). A CUDA graph's padding row (seq_len 1) may name one
+    in its window: the kernel loads nothing through it (the row reads zeros) and the real rows
+    are the reference's; the reference refuses a window that needs a freed block."""
+    from raypaged.kernels.paged_decode import paged_decode_triton
+
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(6, 8, 2, 32, generator=gen) for _ in range(2))
+    tables = torch.tensor([[-1, -1, -1], [-1, 4, 2], [-1, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([1, 20, 1], dtype=torch.int32)
+    q = torch.randn(3, 4, 32, generator=gen)
+    out = paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.3, sliding_window=6,
+                              tile_n=16, min_chunk_tokens=16, out=torch.full_like(q, float("nan")))
+    assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
+    expected = paged_decode_ref(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], 0.3,
+                                sliding_window=6)
+    torch.testing.assert_close(out[1:2], expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="outside"):
+        paged_decode_ref(q, k_cache, v_cache, tables, lens, 0.3, sliding_window=6)
+
+
 def test_references_reject_bad_windows_and_caps():
     q, cache = torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8)
     args = (q, cache, cache, torch.zeros(1, 2, dtype=torch.int32),
