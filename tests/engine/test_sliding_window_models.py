@@ -49,6 +49,7 @@ def test_contexts_several_windows_long_match_transformers(name, async_scheduling
     assert_varied(results)
 
 
+@pytest.mark.slow  # tests/engine/test_kv_cache_groups.py runs its like in the default suite
 def test_window_composes_with_caching_chunking_preemption():
     """One run with all of them on Gemma 2 (local and global layers, soft caps): a shared prefix
     served from the cache, prompts chunked below the window, requests preempted and recomputed."""
