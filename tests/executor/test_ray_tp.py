@@ -72,6 +72,34 @@ def test_prefix_caching_chunked_prefill_and_preemption_under_tp2(async_schedulin
     assert_matches_hf("llama", prompts, results, max_tokens=20)
 
 
+@pytest.mark.parametrize("name,async_scheduling", [
+    ("gemma3", True), pytest.param("gemma2", False, marks=pytest.mark.slow),
+    pytest.param("mistral-window", True, marks=pytest.mark.slow)])
+def test_kv_cache_groups_under_tp2(name, async_scheduling):
+    """Per-group block tables on both ranks (each lays out its pool from the same groups): a
+    prefix longer than the window from the cache, chunks below it, preemption, an n = 2 fork."""
+    from raypaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
+
+    vocab = vocab_of(name)
+    prefix = random_prompts([20], vocab, seed=16)[0]
+    prompts = random_prompts([9, 4], vocab, seed=17, prefix=prefix) + random_prompts([30], vocab, seed=18)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2), greedy]
+    llm = LLM(str(checkpoint_dir(name)), tensor_parallel_size=2, block_size=8,
+              enable_prefix_caching=True, max_num_batched_tokens=6, max_num_seqs=4,
+              num_gpu_blocks_override=36 if name == "gemma3" else 18,
+              async_scheduling=async_scheduling)
+    try:
+        assert isinstance(llm.engine.scheduler.kv_cache_manager, HybridKVCacheManager)
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0 and stats.kv_cache.prefix_cache_hits > 0
+    assert stats.kv_cache.num_used_blocks == 0
+    assert_matches_hf(name, prompts, results, max_tokens=12)
+
+
 def test_structured_outputs_under_tp2_with_async_scheduling_on_a_small_pool():
     """Constrained requests under TP 2, async: rank 0 masks its logits with the deferred masks
     and broadcasts the tokens; outputs equal a sync TP 1 run's, plain neighbours transformers'."""
