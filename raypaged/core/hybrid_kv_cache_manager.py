@@ -350,4 +350,5 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
             allocated_slots=(self.num_blocks - num_free) * B, filled_slots=filled,
             logical_slots=logical, shared_saved_slots=logical - filled,
             prefix_cache_queries=self._prefix_cache_queries,
-            prefix_cache_hits=self._prefix_cache_hits, group_blocks=tuple(group_blocks))
+            prefix_cache_hits=self._prefix_cache_hits, group_blocks=tuple(group_blocks),
+            group_windows=tuple(g.sliding_window for g in self.groups))

@@ -33,6 +33,7 @@ class KVCacheStats:
     # Blocks held per KV-cache group (each block once; a block belongs to one group). Empty for
     # a single-group manager, whose groups' total is num_used_blocks.
     group_blocks: tuple[int, ...] = ()
+    group_windows: tuple[int | None, ...] = ()  # each group's sliding window (None: full)
 
     @property
     def num_used_blocks(self) -> int:

@@ -98,6 +98,13 @@ class FrontendMetrics:
             Gauge, "kv_cache_shared_saved_slots",
             "KV-cache slots saved by sharing blocks (prefix cache, parallel sampling).")
 
+        # Models whose layers differ: blocks held per KV-cache group (core/kv_cache_groups.py),
+        # by group index and window ("full" for full attention). No series with one group.
+        self.kv_cache_group_blocks = Gauge(
+            "raypaged_kv_cache_group_blocks",
+            "KV-cache blocks held per KV-cache group (layers of one attention kind).",
+            names + ["group", "window"], registry=self.registry)
+
         # Requests, as the frontend sees them.
         self.prompt_tokens = make(Counter, "prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = make(
@@ -155,6 +162,9 @@ class FrontendMetrics:
         self.kv_cache_filled_slots.set(kv.filled_slots)
         self.kv_cache_unfilled_slots.set(kv.unfilled_slots)
         self.kv_cache_shared_saved_slots.set(kv.shared_saved_slots)
+        for group, (blocks, window) in enumerate(zip(kv.group_blocks, kv.group_windows)):
+            self.kv_cache_group_blocks.labels(
+                *self._values, str(group), "full" if window is None else str(window)).set(blocks)
         self._add_engine_total("prefix_cache_queries", kv.prefix_cache_queries,
                                self.prefix_cache_queries)
         self._add_engine_total("prefix_cache_hits", kv.prefix_cache_hits, self.prefix_cache_hits)
