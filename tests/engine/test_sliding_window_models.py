@@ -98,7 +98,11 @@ def test_chunked_prefill_chunks_smaller_and_larger_than_the_window(name, budget,
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_preemption_recomputes_past_the_window(name, async_scheduling):
     prompts = random_prompts([20, 25, 30, 12], vocab_of(name), seed=25)
-    llm, results = run(name, prompts, block_size=8, num_gpu_blocks_override=14,
+    # A block holds one KV-cache group's layers (gemma2: 3 groups of 1, gemma3: 6 of 1), and a
+    # sliding group only its window: chunks of 8 let the requests run together and outgrow
+    # pools this small (each still holds one 54-token request).
+    llm, results = run(name, prompts, block_size=8, max_num_batched_tokens=8,
+                       num_gpu_blocks_override={"gemma2": 14, "gemma3": 28}[name],
                        async_scheduling=async_scheduling)
     assert llm.engine.scheduler.stats().num_preemptions > 0
     assert_matches_hf(name, prompts, results, max_tokens=MAX_TOKENS)
