@@ -38,6 +38,9 @@ def _check_index(name: str, tensor: torch.Tensor, dim: int, dtypes: tuple, devic
         raise ValueError(f"{name} must be one of {dtypes}, got {tensor.dtype}")
     if tensor.device != device:
         raise ValueError(f"{name} on {tensor.device}, expected {device}")
+    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        # The kernels step along the last dim by one element (rows take their stride).
+        raise ValueError(f"{name}'s last dim must be contiguous, got strides {tensor.stride()}")
 
 
 def _check_queries(q: torch.Tensor, k_cache: torch.Tensor) -> None:

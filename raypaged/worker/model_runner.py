@@ -231,8 +231,12 @@ class ModelRunner:
             positions = (np.arange(num_tokens)
                          + np.repeat(np.array(starts) - query_start_loc[:-1], query_lens))
             req_of_token = np.repeat(np.arange(len(counts)), query_lens)
-        slot_mapping = (block_tables[:, req_of_token, positions // self.block_size].astype(np.int64)
-                        * self.block_size + positions % self.block_size)
+        # Contiguous per group (fancy indexing may leave the group axis innermost): the kernels
+        # step along a row by one element.
+        block_tables = np.ascontiguousarray(block_tables)
+        slot_mapping = np.ascontiguousarray(
+            block_tables[:, req_of_token, positions // self.block_size].astype(np.int64)
+            * self.block_size + positions % self.block_size)
         # Every row sampled once, in order (a plain decode step): no gather of the hidden states.
         all_rows = len(sample_rows) == num_tokens
         # One small copy per array. Packing them into one pinned buffer was measured slower on

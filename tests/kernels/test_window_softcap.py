@@ -119,6 +119,19 @@ def test_decode_never_loads_through_a_freed_entry():
         paged_decode_ref(q, k_cache, v_cache, tables, lens, 0.3, sliding_window=6)
 
 
+def test_kernels_refuse_strided_index_rows():
+    """The kernels step along a slot mapping or table row by one element: a strided one (a
+    group's row of a [tokens, groups] array) is refused, by the references too."""
+    from raypaged.kernels.reference import write_kv_ref
+
+    k = torch.zeros(3, 2, 8)
+    cache = torch.zeros(2, 4, 2, 8)
+    slots = torch.tensor([[0, 4], [1, 5], [2, 6]])[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv_ref(k, k, cache, cache, slots)
+    write_kv_ref(k, k, cache, cache, slots.contiguous())
+
+
 def test_references_reject_bad_windows_and_caps():
     q, cache = torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8)
     args = (q, cache, cache, torch.zeros(1, 2, dtype=torch.int32),
