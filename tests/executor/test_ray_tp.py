@@ -87,7 +87,7 @@ def test_kv_cache_groups_under_tp2(name, async_scheduling):
     params = [greedy, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2), greedy]
     llm = LLM(str(checkpoint_dir(name)), tensor_parallel_size=2, block_size=8,
               enable_prefix_caching=True, max_num_batched_tokens=6, max_num_seqs=4,
-              num_gpu_blocks_override=36 if name == "gemma3" else 18,
+              num_gpu_blocks_override={"gemma3": 36, "gemma2": 18, "mistral-window": 6}[name],
               async_scheduling=async_scheduling)
     try:
         assert isinstance(llm.engine.scheduler.kv_cache_manager, HybridKVCacheManager)
