@@ -30,6 +30,7 @@
 #   trace        the same step traced: GPU busy vs wall, kernels -> decode_trace_8b_h200.json, .png, ~2
 #   phases       host phases of a step, in process and through Ray [Ray] -> decode_phases_8b_h200.json, ~3
 #   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
+#   model-fp8    the same with FP8 weights (quantized at load) -> decode_model_fp8_8b_h200.json, ~2
 #   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
@@ -52,7 +53,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving
+ONE_GPU=(tests kernels decode trace phases model model-fp8 gemv prefill throughput reservation serving
          serving-multiturn channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -128,6 +129,8 @@ suite() {
             --executors uni,ray --scheduling sync --batch-sizes 1,64 --context 1024 --steps 30 --out "$OUT_DIR" ;;
         model) bench model 150 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
             --context 1024 --out "$OUT_DIR" ;;
+        model-fp8) bench model-fp8 200 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
+            --context 1024 --quantization fp8 --out "$OUT_DIR" ;;
         gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
         prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
         throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \
