@@ -28,6 +28,7 @@ from raypaged.serve.chat_tools import ToolPlan
 from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from raypaged.serve.openai_responses import ResponseBuilder
+from raypaged.serve.reasoning_gate import reasoning_gate
 from raypaged.text.chat_parsing import ChatParsing
 
 ParserFactory = Callable[[], ChatChoiceParser]  # one parser per chat choice
@@ -120,16 +121,23 @@ class OpenAIFrontDoor:
             max_chars = self.service.model.max_model_len * self.service.limits.max_prompt_chars_per_token
             ids = chat_prompt_token_ids(self.service.tokenizer, body.message_dicts(), max_chars,
                                         tools=plan.tools)
-            return body.to_generate_request(ids, plan), self._chat_parser(body, plan)
+            message = body.to_generate_request(ids, plan)
+            params = message.sampling_params
+            if self.parsing.reasoning_parser is not None and params.HasField("structured_output"):
+                params.structured_output.reasoning_end_token_ids.extend(
+                    reasoning_gate(self.service.tokenizer, ids))
+            return message, self._chat_parser(body, plan, message)
 
         return await self._respond(body, chat=True, build=build, timeout_s=timeout)
 
-    def _chat_parser(self, body: ChatCompletionRequest, plan: ToolPlan) -> ParserFactory | None:
+    def _chat_parser(self, body: ChatCompletionRequest, plan: ToolPlan,
+                     message: pb.GenerateRequest) -> ParserFactory | None:
         """What reads each choice of the answer; None: the text is the content."""
-        # Output a grammar wrote (enforced tools, response_format) is JSON: no reasoning in it.
-        constrained = plan.enforced or body.structured_outputs is not None or \
-            body.response_format not in (None, {"type": "text"})
-        reasoning = self.parsing.reasoning_parser is not None and not constrained
+        # Output a grammar wrote from its first token (enforced tools, response_format, and no
+        # reasoning gate: the prompt closed the reasoning) is JSON: no reasoning in it.
+        params = message.sampling_params
+        ungated = params.HasField("structured_output") and not params.structured_output.reasoning_end_token_ids
+        reasoning = self.parsing.reasoning_parser is not None and not ungated
         if not plan.parses and not reasoning:
             return None
         return lambda: ChatChoiceParser(plan.new_parser(), self.parsing.reasoning() if reasoning else None,
