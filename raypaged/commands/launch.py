@@ -102,7 +102,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
     import ray
     from transformers import AutoTokenizer
 
-    from raypaged.commands.network_security import warn_if_exposed
+    from raypaged.commands.network_security import warn_if_exposed, warn_if_priorities_unused
     from raypaged.engine.client import AsyncEngineClient
     from raypaged.frontend.load_shedding import OverloadPolicy
     from raypaged.frontend.server import FrontendServer, ServerConfig
@@ -110,6 +110,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
     logger = logging.getLogger("raypaged.launch")
     security = args.security
     warn_if_exposed(args.host, security, logger)
+    warn_if_priorities_unused(security.api_keys, config.scheduler.scheduling_policy, logger)
     started_ray = not ray.is_initialized()
     if started_ray:
         # Ray's GCS keeps the events of up to 100,000 tasks (~200 MiB); the engine makes one
@@ -129,7 +130,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                          model_name=model_name, shutdown_grace_s=args.shutdown_grace,
                          max_message_bytes=security.max_message_bytes, tls=security.tls,
-                         auth_token=security.auth_token, overload=OverloadPolicy.from_config(config)),
+                         auth_token=security.auth_token, tenants=security.api_keys,
+                         overload=OverloadPolicy.from_config(config)),
             owns_engine=True,
             engine_factory=(lambda: AsyncEngineClient.start(config)) if args.engine_restart else None)
         await server.start()
