@@ -12,6 +12,8 @@ order. After each test the pool is whole and nothing is left counted in flight.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -190,8 +192,10 @@ def test_rate_limits_refuse_with_retry_after_and_name_the_limit(server, clients)
     assert "requests per second" in limited.value.body["message"]
     assert metric(server, "raypaged_tenant_requests_refused_total", tenant="paced",
                   reason="requests_per_second") - before == 2
-    # Tokens: 4 prompt + 8 generated of a bucket of 6 refilled at 0.1 a second: in debt.
-    assert len(clients["thrifty"].generate([5, 6, 7, 8], max_tokens=8, **greedy()).outputs[0].token_ids) == 8
+    # Tokens: 4 prompt + 2 samples of 4 generated, of a bucket of 6 refilled at 0.1 a second: in
+    # debt. n = 2 is one request (max_concurrent) whose every sample's tokens are charged.
+    result = clients["thrifty"].generate([5, 6, 7, 8], max_tokens=4, n=2, **greedy())
+    assert [len(o.token_ids) for o in result.outputs] == [4, 4]
     with pytest.raises(RequestError) as tokens:
         clients["thrifty"].generate([5, 6, 7, 8], max_tokens=1, **greedy())
     assert tokens.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -252,3 +256,15 @@ def test_priority_orders_the_waiting_queue(server, clients, model_dir):
         result = bulk.result(timeout=120)
     assert result.outputs[0].token_ids == hf_greedy(model_dir, tuple(bulk_prompt), 4)
     assert server.stats().num_preemptions == preemptions
+
+
+def test_a_malformed_keys_file_stops_the_command_at_start(tmp_path):
+    """Before Ray or the model: exit 2, the file's line and field in the message. (launch and
+    serve share this path, commands/launch.py run_server: one of them is run.)"""
+    bad = tmp_path / "keys.yaml"
+    bad.write_text(f"keys:\n  {KEYS['alpha']}:\n    name: alpha\n    max_concurrent: many\n")
+    result = subprocess.run([sys.executable, "-m", "raypaged.cli", "serve", "--api-keys-file", str(bad)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"raypaged serve: {bad} line 4: max_concurrent: must be an integer, got 'many'" in result.stderr
+    assert KEYS["alpha"] not in result.stderr and "Traceback" not in result.stderr
