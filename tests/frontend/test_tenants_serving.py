@@ -209,9 +209,14 @@ def test_rate_limits_refuse_with_retry_after_and_name_the_limit(server, clients)
 
 
 def test_max_concurrent_refuses_while_a_stream_is_held(server, clients, model_dir):
-    held = clients["single"].stream([9, 10, 11], max_tokens=LONG, **greedy())
+    held = clients["single"].stream([9, 10, 11], max_tokens=LONG, request_id="held-by-single", **greedy())
     next(held)  # running
     try:
+        # Another tenant cannot abort it: to beta it does not exist.
+        with pytest.raises(RequestError) as foreign:
+            clients["beta"].abort("held-by-single")
+        assert foreign.value.code == grpc.StatusCode.NOT_FOUND
+        assert next(held).outputs[0].finish_reason is None  # still streaming
         with pytest.raises(RequestError) as error:
             clients["single"].generate([5, 6, 7], max_tokens=1, **greedy())
         assert error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent 1" in error.value.message
