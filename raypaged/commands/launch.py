@@ -102,15 +102,18 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
     import ray
     from transformers import AutoTokenizer
 
-    from raypaged.commands.network_security import warn_if_exposed, warn_if_priorities_unused
+    from raypaged.commands.network_security import warn_if_exposed
     from raypaged.engine.client import AsyncEngineClient
     from raypaged.frontend.load_shedding import OverloadPolicy
     from raypaged.frontend.server import FrontendServer, ServerConfig
+    from raypaged.frontend.tenants import unused_priorities_warning
 
     logger = logging.getLogger("raypaged.launch")
     security = args.security
     warn_if_exposed(args.host, security, logger)
-    warn_if_priorities_unused(security.api_keys, config.scheduler.scheduling_policy, logger)
+    unused = unused_priorities_warning(security.api_keys, config.scheduler.scheduling_policy)
+    if unused is not None:
+        logger.warning("%s", unused)
     started_ray = not ray.is_initialized()
     if started_ray:
         # Ray's GCS keeps the events of up to 100,000 tasks (~200 MiB); the engine makes one

@@ -90,11 +90,3 @@ def warn_if_exposed(host: str, security: NetworkSecurity, logger: logging.Logger
     if not security.authenticates and (security.tls is None or not security.tls.requires_client_certificates):
         logger.warning("listening on %s with no authentication: anyone who can reach it can use it "
                        "(--auth-token or $%s, --api-keys-file, or --tls-client-ca)", host, AUTH_TOKEN_ENV)
-
-
-def warn_if_priorities_unused(keys: TenantRegistry | None, scheduling_policy: str,
-                              logger: logging.Logger) -> None:
-    """Keys with priorities order the waiting queue only under the priority policy."""
-    if keys is not None and keys.uses_priorities and scheduling_policy != "priority":
-        logger.warning("the API keys file gives priorities, but the scheduling policy is %r: they "
-                       "order nothing (--scheduling-policy priority)", scheduling_policy)

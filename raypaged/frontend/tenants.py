@@ -154,3 +154,11 @@ class TenantRegistry:
         """The tenant of gRPC call metadata: exactly one `authorization` entry, a known key."""
         values = [value for key, value in (metadata or ()) if key == AUTHORIZATION_KEY]
         return self.authenticate(values[0]) if len(values) == 1 else None
+
+
+def unused_priorities_warning(registry: TenantRegistry | None, scheduling_policy: str) -> str | None:
+    """What to warn about when keys give priorities that the scheduling policy ignores."""
+    if registry is None or not registry.uses_priorities or scheduling_policy == "priority":
+        return None
+    return (f"the API keys give priorities, but the scheduling policy is {scheduling_policy!r}: "
+            "they order nothing (--scheduling-policy priority)")

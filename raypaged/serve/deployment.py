@@ -32,7 +32,7 @@ from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import refuse_undecodable
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
-from raypaged.frontend.tenants import Tenant
+from raypaged.frontend.tenants import Tenant, unused_priorities_warning
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
 from raypaged.serve.openai_api import Authorization, OpenAIFrontDoor, RequestTimeout, install_error_handlers
@@ -66,10 +66,9 @@ class RaypagedDeployment:
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
         self.tenants = args.api_keys()
-        if self.tenants is not None and self.tenants.uses_priorities \
-                and config.scheduler.scheduling_policy != "priority":
-            logger.warning("api_keys_file gives priorities, but scheduling_policy is %r: they order nothing",
-                           config.scheduler.scheduling_policy)
+        unused = unused_priorities_warning(self.tenants, config.scheduler.scheduling_policy)
+        if unused is not None:
+            logger.warning("%s", unused)
         self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers, model_names=names,
                                       parsing=args.chat_parsing, tenants=self.tenants)
         self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())

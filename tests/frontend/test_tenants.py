@@ -16,7 +16,13 @@ from raypaged.frontend.keys_file import KeysFileError, load_keys_file, parse_key
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.rate_limit import TenantLimitError
 from raypaged.frontend.tenant_door import TenantDoor
-from raypaged.frontend.tenants import NAME_PATTERN, Tenant, TenantLimits, TenantRegistry
+from raypaged.frontend.tenants import (
+    NAME_PATTERN,
+    Tenant,
+    TenantLimits,
+    TenantRegistry,
+    unused_priorities_warning,
+)
 
 KEY_A = "sk-team-a-3f9c1e7d5b2a4c6e"
 KEY_B = "sk-batch-0d8e2f4a6c1b3e5d"
@@ -192,3 +198,11 @@ def test_door_applies_salt_and_priority_and_counts_per_tenant():
     door.check(None)
     door.admit(None, 1).close()
     assert (plain.cache_salt, plain.priority) == ("x", 0)
+
+
+def test_priorities_under_fcfs_are_warned_about():
+    registry = parse_keys(GOOD)  # batch has priority 10
+    assert "order nothing" in (unused_priorities_warning(registry, "fcfs") or "")
+    assert unused_priorities_warning(registry, "priority") is None
+    assert unused_priorities_warning(TenantRegistry.single("the-single-token-0001"), "fcfs") is None
+    assert unused_priorities_warning(None, "fcfs") is None
