@@ -15,11 +15,15 @@
 JSON is YAML too: the same structure as a JSON object reads the same. Keys must be unique, at
 least 16 printable ASCII characters without spaces; names unique. Anything else — an unknown
 field, a wrong type, a duplicate — fails at start with a KeysFileError naming the file, the line
-and the field; no message ever quotes a key.
+and the field; no message ever quotes a key. A file that other users may read is warned about
+(it holds secrets: chmod 600).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +31,7 @@ import yaml
 
 from raypaged.frontend.tenants import Tenant, TenantLimits, TenantRegistry, check_key
 
+logger = logging.getLogger(__name__)
 TOP_LEVEL = ("keys",)
 
 
@@ -57,6 +62,8 @@ def load_keys_file(path: str) -> TenantRegistry:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise KeysFileError(f"cannot read the API keys file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("the API keys file %s may be read by other users of this machine (chmod 600 it)", path)
     return parse_keys(text, path)
 
 

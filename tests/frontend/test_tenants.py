@@ -91,6 +91,17 @@ def test_a_malformed_keys_file_names_the_line_and_the_field(text, message):
     assert KEY_A not in str(error.value) and KEY_B not in str(error.value)  # never a key in a message
 
 
+def test_a_file_others_may_read_is_warned_about(tmp_path, caplog):
+    path = tmp_path / "keys.yaml"
+    path.write_text(GOOD)
+    path.chmod(0o600)
+    load_keys_file(str(path))
+    assert "other users" not in caplog.text
+    path.chmod(0o644)
+    load_keys_file(str(path))
+    assert "may be read by other users" in caplog.text
+
+
 def test_a_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(KeysFileError, match="cannot read the API keys file"):
         load_keys_file(str(tmp_path / "nope.yaml"))
