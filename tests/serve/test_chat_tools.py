@@ -67,7 +67,7 @@ class _ScriptedService:
         self.requests: list[pb.GenerateRequest] = []
 
     async def generate(self, message: pb.GenerateRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                       timeout_s: float | None = None, tenant: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         self.requests.append(message)
         n = message.sampling_params.n or 1
         pieces = [self.script[i:i + 3] for i in range(0, len(self.script), 3)]
