@@ -27,6 +27,8 @@
 #   kernels      decode / prefill attention against FlashInfer (the .whl/ wheels, carried) and SDPA:
 #                bandwidth, TFLOP/s, targets -> kernels_h200.json, .png, ~6 (FlashInfer compiles ~2-3)
 #   decode       the 8B engine's decode step at batch 1, 8, 64, 256 -> decode_8b_h200.json, .png, ~3
+#   decode-families  the same at batch 1 and 64 for Qwen3-8B, Gemma-2-9B and Phi-3-medium's shapes
+#                (dummy weights) -> decode_<shape>_h200.json, .png each, ~6 (not yet run)
 #   trace        the same step traced: GPU busy vs wall, kernels -> decode_trace_8b_h200.json, .png, ~2
 #   phases       host phases of a step, in process and through Ray [Ray] -> decode_phases_8b_h200.json, ~3
 #   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
@@ -53,7 +55,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode trace phases model model-fp8 gemv prefill throughput reservation serving
+ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv prefill throughput reservation serving
          serving-multiturn channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -122,6 +124,13 @@ suite() {
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
             --prompt-len 64 --output-len 32 --out "$OUT_DIR" ;;
+        decode-families) local shape status=0
+            for shape in qwen3-8b gemma2-9b phi3-medium; do
+            bench "decode-$shape" 180 python3 -m benchmarks.bench_decode --mode time --shape "$shape" \
+                --executors uni --scheduling async --batch-sizes 1,64 --context 1024 --steps 50 \
+                --throughput-batch 8 --prompt-len 64 --output-len 32 --out "$OUT_DIR" || status=1
+            done
+            return "$status" ;;
         trace) bench trace 200 python3 -m benchmarks.bench_decode --mode trace --shape 8b --scheduling async \
             --batch-sizes 1,64 --context 1024 --steps 30 --max-num-seqs 64 --max-num-batched-tokens 8192 \
             --out "$OUT_DIR" ;;

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from benchmarks.lib.common import SHAPES, copy_bandwidth
+from benchmarks.lib.common import copy_bandwidth, shape_config
 from raypaged.model.attention import AttentionMetadata
 from raypaged.model.config import ModelConfig
 from raypaged.model.loader import load_model
@@ -21,8 +21,7 @@ BLOCK_SIZE = 16
 
 
 def model_config(shape: str) -> ModelConfig:
-    return ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
-                                      **SHAPES[shape]))
+    return ModelConfig.from_dict(shape_config(shape, torch_dtype="bfloat16"))
 
 
 def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
