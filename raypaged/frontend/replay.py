@@ -152,7 +152,8 @@ class ReplayingEngine(EngineClient):
                         raise
                     self.lost(engine)
                     failed = engine
-                    logger.warning("request %r lost its engine (%s): waiting for the next one", group_id, e)
+                    logger.warning("request %r lost its engine (%s): waiting for the next one", group_id,
+                                   str(e).splitlines()[0])
         finally:
             del self._journals[group_id]
 

@@ -7,8 +7,9 @@
 - A worker group that cannot come back (every restart fails): the streams in flight end with
   UNAVAILABLE, health turns NOT_SERVING, new requests get UNAVAILABLE; then the supervisor
   replaces the engine and the server serves again.
-- The engine actor killed: streams end with UNAVAILABLE at once (no hang), new requests too, and
-  the supervisor brings a new engine; nothing of the old one (actors, placement group) is left.
+- The engine actor killed, with replay off (recovery_timeout_s 0; tests/reliability/test_replay.py
+  has it on): streams end with UNAVAILABLE at once (no hang), new requests too, and the
+  supervisor brings a new engine; nothing of the old one (actors, placement group) is left.
 
 The tests share one server and run in order; each leaves it SERVING with a whole pool.
 """
@@ -49,7 +50,8 @@ def server():
         EngineConfig(model=str(checkpoint_dir(NAME)), device="cpu", tensor_parallel_size=2,
                      block_size=8, num_gpu_blocks_override=64, max_num_seqs=4, max_worker_restarts=1,
                      step_timeout_s=STEP_TIMEOUT_S),
-        ServerConfig(port=0, stats_interval_s=0.1, restart_policy=RestartPolicy(initial_backoff_s=0.5)),
+        ServerConfig(port=0, stats_interval_s=0.1, restart_policy=RestartPolicy(initial_backoff_s=0.5,
+                                                                           recovery_timeout_s=0)),
         restart_engine=True)
     yield running
     running.stop()
