@@ -184,7 +184,7 @@ class ReplayingEngine(EngineClient):
                 raise EngineDeadError(f"the engine is gone and did not come back within "
                                       f"{self.recovery_timeout_s:g} s")
             changed = self._changed
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError before 3.11
                 await asyncio.wait_for(changed.wait(), min(until, deadline or until) - now)
 
     async def _run(self, engine: AsyncEngineClient, journal: StreamJournal,

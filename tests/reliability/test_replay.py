@@ -1,9 +1,10 @@
 """The engine actor dies mid-stream and nothing is lost (frontend/replay.py), seen from real gRPC
 clients of a live server whose supervisor brings a new engine.
 
-- Several streams at once — greedy, seeded sampled with logprobs, n = 2 seeded, and one whose
-  stop string begins before the fault and ends after it — are in flight when the engine actor
-  is SIGKILLed: each gives exactly the tokens and text of a fault-free run (greedy: transformers'
+- Several streams at once — greedy, seeded sampled with logprobs, n = 2 seeded, one whose stop
+  string begins before the fault and ends after it, and a greedy one over the OpenAI HTTP door
+  (`raypaged serve`'s, over the same service) — are in flight when the engine actor is
+  SIGKILLed: each gives exactly the tokens and text of a fault-free run (greedy: transformers'
   output), no token lost or repeated; a request sent during the outage waits and is served by
   the new engine; the new engine's pool is whole afterwards and only it is left.
 - An engine that never comes back (every restart fails; the actor `ray.kill`ed): the stream in
@@ -22,6 +23,7 @@ import time
 from collections import Counter
 
 import grpc
+import openai
 import pytest
 import ray
 
@@ -29,6 +31,8 @@ from raypaged.client import Client, RequestError
 from raypaged.config import EngineConfig
 from raypaged.frontend.server import ServerConfig
 from raypaged.frontend.supervisor import RestartPolicy
+from raypaged.serve.openai_api import OpenAIFrontDoor
+from raypaged.serve.standalone_http import HTTPServer, build_http_app
 from tests.support.checkpoints import checkpoint_dir
 from tests.support.frontend_harness import ServerThread, init_ray
 from tests.support.hf_oracle import hf_greedy, random_prompts, vocab_of
@@ -52,9 +56,52 @@ def server():
                      restart_policy=RestartPolicy(initial_backoff_s=0.2, max_backoff_s=0.5,
                                                   recovery_timeout_s=RECOVERY_S)),
         restart_engine=True)
-    yield running
-    running.stop()
-    ray.shutdown()
+    front = OpenAIFrontDoor(running.server.service, running.server.metrics)
+
+    async def start() -> HTTPServer:
+        http = HTTPServer(build_http_app(front), "127.0.0.1", 0)
+        await http.start()
+        return http
+
+    http = running.call(start())
+    running.http_url = f"http://127.0.0.1:{http.port}/v1"
+    try:
+        yield running
+    finally:
+        running.call(http.stop())
+        running.stop()
+        ray.shutdown()
+
+
+class HTTPStream:
+    """One streamed greedy OpenAI completion in a thread: its text and finish."""
+
+    def __init__(self, server: ServerThread, prompt: list[int]) -> None:
+        self.text = ""
+        self.num_chunks = 0
+        self.finish: str | None = None
+        self.error: Exception | None = None
+        api = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=300)
+        self._thread = threading.Thread(target=self._run, args=(api, server.server.service.model_name, prompt),
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, api: openai.OpenAI, model: str, prompt: list[int]) -> None:
+        try:
+            for chunk in api.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0.0, stream=True,
+                                                extra_body={"ignore_eos": True}):
+                for choice in chunk.choices:
+                    self.text += choice.text
+                    self.num_chunks += 1
+                    self.finish = choice.finish_reason or self.finish
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+    def join(self, timeout_s: float = 180.0) -> HTTPStream:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the HTTP stream hangs"
+        return self
 
 
 class Stream:
@@ -137,7 +184,9 @@ def test_streams_go_on_on_the_new_engine_as_if_nothing_happened(server):
                                ignore_eos=True).outputs[0].text
     assert stop and stop in text
     requests = requests_of(prompts, stop)
-    reference = [Stream(server.address, p, **params).join() for p, params in requests]
+    reference = [Stream(server.address, p, **params) for p, params in requests]
+    for stream in reference:
+        stream.join()
     assert reference[0].tokens == [greedy]
     assert reference[3].text[0] == text[:text.index(stop)] and reference[3].finish == ["stop"]
     server.wait_pool_whole()
@@ -145,8 +194,10 @@ def test_streams_go_on_on_the_new_engine_as_if_nothing_happened(server):
     old_engine = server.engine
     replayed = server.server.replay.num_replayed
     streams = [Stream(server.address, p, **params) for p, params in requests]
+    http = HTTPStream(server, prompts[0])
     for stream in streams:
         stream.wait_tokens(KILL_AFTER)
+    assert http.num_chunks < MAX_TOKENS - 20
     kill_engine_process(server)
     at_kill = [min(len(t) for t in s.tokens) for s in streams]
     late = Stream(server.address, prompts[1], temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -162,8 +213,10 @@ def test_streams_go_on_on_the_new_engine_as_if_nothing_happened(server):
             assert len(got) == len(ref) and all(
                 g.keys() == r.keys() and all(abs(g[t] - r[t]) < 1e-3 for t in g) for g, r in zip(got, ref)), i
     assert max(at_kill) < MAX_TOKENS - 20, at_kill  # the engine died mid-stream, not after it
+    http.join()
+    assert http.error is None and http.text == text and http.finish == "length"
     assert server.engine is not old_engine
-    assert server.server.replay.num_replayed >= replayed + 3  # the stop stream may finish first
+    assert server.server.replay.num_replayed >= replayed + 4  # the stop stream may finish first
     assert late.error is None and late.tokens == [hf_greedy(checkpoint_dir(NAME), tuple(prompts[1]), 12)]
     server.wait_pool_whole()
     assert_only_one_engine_left()
