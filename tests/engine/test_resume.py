@@ -52,7 +52,7 @@ PARAMS = {
     "min_tokens_logit_bias": SamplingParams(temperature=0.7, seed=99, min_tokens=MAX_TOKENS - 2,
                                             max_tokens=MAX_TOKENS, logit_bias={3: 5.0, 11: -100.0}),
     "grammar": SamplingParams(temperature=0.9, seed=5, max_tokens=MAX_TOKENS,
-                              structured_output=StructuredOutput(regex="[a-e]{3,30}")),
+                              structured_output=StructuredOutput(regex="a[b-e]{3}x[a-e]{2}y[a-e0-9]{20}")),
 }
 
 
