@@ -29,6 +29,7 @@ import ray
 
 from raypaged.client import Client, RequestError
 from raypaged.config import EngineConfig
+from raypaged.core.structured_output import StructuredOutput
 from raypaged.frontend.server import ServerConfig
 from raypaged.frontend.supervisor import RestartPolicy
 from raypaged.serve.openai_api import OpenAIFrontDoor
@@ -218,6 +219,38 @@ def test_streams_go_on_on_the_new_engine_as_if_nothing_happened(server):
     assert server.engine is not old_engine
     assert server.server.replay.num_replayed >= replayed + 4  # the stop stream may finish first
     assert late.error is None and late.tokens == [hf_greedy(checkpoint_dir(NAME), tuple(prompts[1]), 12)]
+    server.wait_pool_whole()
+    assert_only_one_engine_left()
+
+
+@pytest.mark.slow
+def test_grammar_and_logit_bias_streams_go_on_after_the_engine_actor_is_ray_killed(server):
+    """The engine's side of a resumed request: a grammar's matcher advanced over the tokens
+    already streamed (a regex whose allowed tokens depend on the position), and a logit_bias."""
+    prompts = random_prompts([6, 10], vocab_of(NAME), seed=73)
+    greedy = hf_greedy(checkpoint_dir(NAME), tuple(prompts[1]), 4)
+    requests = [
+        (prompts[0], dict(temperature=0.8, seed=5, max_tokens=120,
+                          structured_output=StructuredOutput(regex="(a[b-e]{3}x[a-e]{2}y){60}"))),
+        (prompts[1], dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          logit_bias={greedy[1]: -100.0, greedy[3]: -100.0, 7: 2.0})),
+    ]
+    reference = [Stream(server.address, p, **params) for p, params in requests]
+    for stream in reference:
+        stream.join()
+    assert reference[0].error is None and reference[1].error is None
+    old_engine = server.engine
+    streams = [Stream(server.address, p, **params) for p, params in requests]
+    for stream in streams:
+        stream.wait_tokens(KILL_AFTER)
+    ray.kill(old_engine.actor, no_restart=True)
+    at_kill = [len(s.tokens[0]) for s in streams]
+    for stream, want in zip(streams, reference):
+        stream.join()
+        assert stream.error is None, stream.error
+        assert (stream.tokens, stream.text, stream.finish) == (want.tokens, want.text, want.finish)
+    assert max(at_kill) < 100, at_kill
+    assert server.engine is not old_engine
     server.wait_pool_whole()
     assert_only_one_engine_left()
 
