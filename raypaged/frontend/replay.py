@@ -147,6 +147,12 @@ class ReplayingEngine(EngineClient):
                             journal.note(out)
                             yield out
                     return
+                except RequestTimeoutError:
+                    if failed is None:
+                        raise
+                    # The engine client's timer ran on what was left: name the request's own.
+                    raise RequestTimeoutError(f"request {group_id!r} ran past its {timeout_s:g} s "
+                                              "timeout") from None
                 except EngineDeadError as e:
                     if not self.recovery_timeout_s:
                         raise

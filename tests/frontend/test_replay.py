@@ -223,3 +223,17 @@ def test_no_replay_with_recovery_timeout_0():
         assert not replay.is_alive
 
     asyncio.run(main())
+
+
+def test_a_timeout_after_the_replay_names_the_requests_own_timeout():
+    request = Request("g", [1, 2], SamplingParams(max_tokens=8))
+    first = FakeEngine(dies_after(record("g", 0, [10])))
+    second = FakeEngine(lambda r: [RequestTimeoutError("request 'g#0' ran past its 4.93 s timeout")])
+
+    async def main() -> None:
+        replay = ReplayingEngine(first, recovery_timeout_s=5)  # type: ignore[arg-type]
+        swap_soon(replay, second)
+        with pytest.raises(RequestTimeoutError, match="request 'g' ran past its 5 s timeout"):
+            await collect(replay, request, timeout_s=5)
+
+    asyncio.run(main())
