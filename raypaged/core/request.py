@@ -21,6 +21,12 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # aborted by the client, the frontend or an error
 
 
+# The stop_reason of the records of requests an engine ended because it gave up on its workers
+# (their error says why): the request was not at fault, and a frontend may run it again on
+# another engine (frontend/replay.py).
+ENGINE_FAILED = "engine_failed"
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

@@ -2,8 +2,9 @@
 
 It stands for the supervisor's current AsyncEngineClient (the server swaps a new one in,
 frontend/supervisor.py). Each stream's journal (frontend/stream_journal.py) holds what it has
-handed on; when its engine dies (EngineDeadError: the actor died, or gave up on its workers'
-restarts before taking the request), the stream waits for the next engine and goes on there:
+handed on; when its engine dies (EngineDeadError: the actor died; or the engine gave up on its
+workers' restarts, and ended its requests with stop_reason ENGINE_FAILED), the stream waits for
+the next engine and goes on there:
 the request again if nothing was streamed yet, else each open sample resumed with its tokens.
 The caller sees one continuous stream of records: no gap, no token twice, every record in the
 group's numbering; the text side (detokenizer, stop strings) lives with the caller and goes on.
@@ -14,8 +15,8 @@ Streams and new requests wait for the new engine until then and get EngineDeadEr
 running meanwhile (RequestTimeoutError when it passes first). recovery_timeout_s 0: no replay,
 streams end with the engine as before.
 
-Not replayed: requests the engine itself failed (records with an error: a grammar that did not
-compile, or a worker group it gave up on, whose requests it ends before it reports dead).
+Not replayed: requests the engine failed for their own sake (records with another error: a
+grammar that did not compile in time).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from raypaged.core.outputs import EngineCoreOutput, EngineLoad
-from raypaged.core.request import Request
+from raypaged.core.request import ENGINE_FAILED, Request
 from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.engine.interface import EngineClient
@@ -144,6 +145,8 @@ class ReplayingEngine(EngineClient):
                     remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
                     async with contextlib.aclosing(self._run(engine, journal, remaining)) as outputs:
                         async for out in outputs:
+                            if out.stop_reason == ENGINE_FAILED and out.error is not None:
+                                raise EngineDeadError(out.error)  # it gave up on its workers
                             journal.note(out)
                             yield out
                     return

@@ -14,7 +14,7 @@ import pytest
 
 from raypaged.core.errors import EngineDeadError, RequestTimeoutError
 from raypaged.core.outputs import EngineCoreOutput
-from raypaged.core.request import FinishReason, Request
+from raypaged.core.request import ENGINE_FAILED, FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.frontend.replay import ReplayingEngine
 
@@ -237,3 +237,39 @@ def test_a_timeout_after_the_replay_names_the_requests_own_timeout():
             await collect(replay, request, timeout_s=5)
 
     asyncio.run(main())
+
+
+def test_requests_an_engine_ended_when_it_gave_up_on_its_workers_go_on_on_the_next():
+    request = Request("g", [1, 2], SamplingParams(max_tokens=8))
+    failed = EngineCoreOutput("g", "g", 0, [], finish_reason=FinishReason.ABORT, stop_reason=ENGINE_FAILED,
+                              error="the model workers failed (gave up after 1 restarts)")
+
+    def gives_up(request: Request):
+        yield record("g", 0, [10])
+        first.alive = False  # as the engine reports once its failed requests' records are out
+        yield failed
+
+    first = FakeEngine(gives_up)
+    second = FakeEngine(finishes([30]))
+
+    async def main() -> list[EngineCoreOutput]:
+        replay = ReplayingEngine(first, recovery_timeout_s=5)  # type: ignore[arg-type]
+        swap_soon(replay, second)
+        return await collect(replay, request)
+
+    outputs = asyncio.run(main())
+    assert [(o.new_token_ids, o.finish_reason, o.error) for o in outputs] == [
+        ([10], None, None), ([30], FinishReason.LENGTH, None)]
+    assert second.requests[0].resumed_output_token_ids == (10,)
+
+
+def test_a_request_the_engine_failed_for_its_own_sake_is_not_replayed():
+    request = Request("g", [1, 2], SamplingParams(max_tokens=8))
+    failed = EngineCoreOutput("g", "g", 0, [], finish_reason=FinishReason.ABORT,
+                              error="structured output grammar did not compile within 1 s")
+
+    async def main() -> list[EngineCoreOutput]:
+        replay = ReplayingEngine(FakeEngine(lambda r: [failed]), recovery_timeout_s=5)  # type: ignore[arg-type]
+        return await collect(replay, request)
+
+    assert asyncio.run(main()) == [failed]

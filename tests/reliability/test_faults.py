@@ -272,3 +272,28 @@ def test_engine_actor_killed_is_unavailable_at_once_then_replaced(server):
     assert_serves_correctly(server)
     assert_only_the_new_engine_is_left()
     FAULTS_SURVIVED["engine actor killed -> engine replaced"] += 1
+
+
+@pytest.mark.slow
+def test_worker_group_beyond_repair_with_replay_on_streams_go_on_on_the_new_engine(server):
+    """The same fault with replay on (frontend/replay.py): the requests the engine ended when it
+    gave up go on on the supervisor's new engine, exactly as transformers' greedy run."""
+    old_engine = server.engine
+    prompt = random_prompts([11], vocab_of(NAME), seed=33)[0]
+    expected = hf_greedy(checkpoint_dir(NAME), tuple(prompt), 120)
+    replay = server.server.replay
+    replay.recovery_timeout_s = 120.0
+    try:
+        engine_call(server, lambda actor: setattr(actor.core, "model_dir", "/nonexistent/model"))
+        stream = Stream(server.address, prompt, max_tokens=120)
+        stream.wait_tokens(2)
+        kill_rank_with_sigkill(server)
+        stream.join()
+    finally:
+        replay.recovery_timeout_s = 0.0
+    assert stream.error is None, stream.error
+    assert stream.tokens == expected and stream.finish_reason == "length"
+    assert server.engine is not old_engine
+    server.wait_pool_whole()
+    assert_only_the_new_engine_is_left()
+    FAULTS_SURVIVED["worker group beyond repair -> streams replayed on a new engine"] += 1
