@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -55,7 +56,7 @@ class ReplayingEngine(EngineClient):
         """`engine` is dead: if it is the current one, the outage's clock starts (unless a
         stream started it already)."""
         if engine is self.current and self._lost_at is None:
-            self._lost_at = asyncio.get_running_loop().time()
+            self._lost_at = time.monotonic()
 
     def swap(self, engine: AsyncEngineClient) -> None:
         """A new engine: the streams waiting go on there."""
@@ -89,7 +90,7 @@ class ReplayingEngine(EngineClient):
             return True
         if not self.recovery_timeout_s or self._given_up:
             return False
-        return self._lost_at is None or asyncio.get_running_loop().time() < self._outage_ends()
+        return self._lost_at is None or time.monotonic() < self._outage_ends()
 
     def _outage_ends(self) -> float:
         assert self._lost_at is not None
@@ -123,8 +124,7 @@ class ReplayingEngine(EngineClient):
         group_id = request.group_id
         if group_id in self._journals:
             raise InvalidRequestError(f"request id {group_id!r} is already in use")
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         journal = StreamJournal(request)
         self._journals[group_id] = journal
         failed: AsyncEngineClient | None = None  # the engine the stream last lost
@@ -142,7 +142,7 @@ class ReplayingEngine(EngineClient):
                     logger.info("request %r goes on on the new engine (samples %s)", group_id,
                                 journal.open_indices)
                 try:
-                    remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
+                    remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     async with contextlib.aclosing(self._run(engine, journal, remaining)) as outputs:
                         async for out in outputs:
                             if out.stop_reason == ENGINE_FAILED and out.error is not None:
@@ -171,7 +171,6 @@ class ReplayingEngine(EngineClient):
         """The engine to run on: the current one unless it is dead (or the one just lost), else
         the next one, waited for within the outage's bound and the request's deadline; None
         once the caller ended every sample meanwhile."""
-        loop = asyncio.get_running_loop()
         group_id = journal.group_id
         while True:
             engine = self.current
@@ -185,7 +184,7 @@ class ReplayingEngine(EngineClient):
                 raise EngineDeadError("the engine is gone and the server gave up restarting it")
             self.lost(engine)
             until = self._outage_ends()
-            now = loop.time()
+            now = time.monotonic()
             if deadline is not None and deadline <= min(now, until):
                 raise RequestTimeoutError(f"request {group_id!r} ran past its timeout while the "
                                           "engine was restarting")
