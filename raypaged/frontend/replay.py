@@ -4,8 +4,8 @@ It stands for the supervisor's current AsyncEngineClient (the server swaps a new
 frontend/supervisor.py). Each stream's journal (frontend/stream_journal.py) holds what it has
 handed on; when its engine dies (EngineDeadError: the actor died; or the engine gave up on its
 workers' restarts, and ended its requests with stop_reason ENGINE_FAILED), the stream waits for
-the next engine and goes on there:
-the request again if nothing was streamed yet, else each open sample resumed with its tokens.
+the next engine and goes on there: the request again if nothing was streamed yet, else each
+open sample resumed with its tokens. An engine that dies again meanwhile is one more outage.
 The caller sees one continuous stream of records: no gap, no token twice, every record in the
 group's numbering; the text side (detokenizer, stop strings) lives with the caller and goes on.
 
