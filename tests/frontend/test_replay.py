@@ -273,3 +273,22 @@ def test_a_request_the_engine_failed_for_its_own_sake_is_not_replayed():
         return await collect(replay, request)
 
     assert asyncio.run(main()) == [failed]
+
+
+def test_an_engine_that_dies_again_is_one_more_outage_and_the_stream_still_goes_on():
+    request = Request("g", [1, 2], SamplingParams(max_tokens=8))
+    first = FakeEngine(dies_after(record("g", 0, [10])))
+    second = FakeEngine(lambda r: [record(r.group_id, 0, [11]), EngineDeadError("the engine is gone: again")])
+    third = FakeEngine(finishes([12]))
+
+    async def main() -> list[EngineCoreOutput]:
+        replay = ReplayingEngine(first, recovery_timeout_s=5)  # type: ignore[arg-type]
+        swap_soon(replay, second)
+        asyncio.get_running_loop().call_later(0.2, replay.swap, third)
+        outputs = await collect(replay, request)
+        assert replay.num_replayed == 2
+        return outputs
+
+    assert [o.new_token_ids for o in asyncio.run(main())] == [[10], [11], [12]]
+    assert second.requests[0].resumed_output_token_ids == (10,)
+    assert third.requests[0].resumed_output_token_ids == (10, 11)
