@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from raypaged.core.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from raypaged.core.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import ENGINE_FAILED, Request
 from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
@@ -37,6 +37,8 @@ from raypaged.engine.interface import EngineClient
 from raypaged.frontend.stream_journal import StreamJournal
 
 logger = logging.getLogger(__name__)
+
+_REQUEUE_S = 0.1  # how soon a replayed stream the new engine's full queue refused tries again
 
 
 class ReplayingEngine(EngineClient):
@@ -128,6 +130,7 @@ class ReplayingEngine(EngineClient):
         journal = StreamJournal(request)
         self._journals[group_id] = journal
         failed: AsyncEngineClient | None = None  # the engine the stream last lost
+        refused_at: float | None = None  # when the new engine's full queue first refused it
         try:
             while True:
                 engine = await self._live_engine(failed, deadline, journal)
@@ -137,7 +140,7 @@ class ReplayingEngine(EngineClient):
                         yield out
                 if engine is None or journal.complete:
                     return
-                if failed is not None:
+                if failed is not None and refused_at is None:
                     self.num_replayed += 1
                     logger.info("request %r goes on on the new engine (samples %s)", group_id,
                                 journal.open_indices)
@@ -150,6 +153,14 @@ class ReplayingEngine(EngineClient):
                             journal.note(out)
                             yield out
                     return
+                except QueueFullError:
+                    # A replayed stream is no new request to shed: the new engine's waiting
+                    # queue, full of the streams replayed at once, is waited out (bounded).
+                    now = time.monotonic()
+                    refused_at = refused_at or now
+                    if failed is None or now - refused_at >= self.recovery_timeout_s:
+                        raise
+                    await asyncio.sleep(_REQUEUE_S)
                 except RequestTimeoutError:
                     if failed is None:
                         raise
@@ -160,7 +171,7 @@ class ReplayingEngine(EngineClient):
                     if not self.recovery_timeout_s:
                         raise
                     self.lost(engine)
-                    failed = engine
+                    failed, refused_at = engine, None
                     logger.warning("request %r lost its engine (%s): waiting for the next one", group_id,
                                    str(e).splitlines()[0])
         finally:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from raypaged.core.errors import EngineDeadError, RequestTimeoutError
+from raypaged.core.errors import EngineDeadError, QueueFullError, RequestTimeoutError
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import ENGINE_FAILED, FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
@@ -22,8 +22,8 @@ Script = Callable[[Request], list]
 
 
 class FakeEngine:
-    """generate yields the script's records for the request; an exception in the script kills
-    the engine there."""
+    """generate yields the script's records for the request and raises its exceptions; an
+    EngineDeadError kills the engine there."""
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -42,7 +42,7 @@ class FakeEngine:
         for item in self.script(request):
             await asyncio.sleep(0)
             if isinstance(item, BaseException):
-                self.alive = False
+                self.alive = self.alive and not isinstance(item, EngineDeadError)
                 raise item
             yield item
 
@@ -292,3 +292,34 @@ def test_an_engine_that_dies_again_is_one_more_outage_and_the_stream_still_goes_
     assert [o.new_token_ids for o in asyncio.run(main())] == [[10], [11], [12]]
     assert second.requests[0].resumed_output_token_ids == (10,)
     assert third.requests[0].resumed_output_token_ids == (10, 11)
+
+
+def test_a_replayed_stream_the_new_engines_full_queue_refuses_tries_again():
+    request = Request("g", [1, 2], SamplingParams(max_tokens=8))
+    first = FakeEngine(dies_after(record("g", 0, [10])))
+    calls = []
+
+    def full_once(r: Request) -> list:
+        calls.append(r)
+        if len(calls) == 1:
+            return [QueueFullError("the waiting queue is full (1 requests)")]
+        return [record(r.group_id, 0, [11], FinishReason.LENGTH)]
+
+    second = FakeEngine(full_once)
+
+    async def main() -> list[EngineCoreOutput]:
+        replay = ReplayingEngine(first, recovery_timeout_s=5)  # type: ignore[arg-type]
+        swap_soon(replay, second)
+        return await collect(replay, request)
+
+    assert [o.new_token_ids for o in asyncio.run(main())] == [[10], [11]]
+    assert [r.resumed_output_token_ids for r in calls] == [(10,), (10,)]
+
+
+def test_a_new_request_the_engine_refuses_as_full_is_refused():
+    async def main() -> None:
+        replay = ReplayingEngine(FakeEngine(lambda r: [QueueFullError("full")]), recovery_timeout_s=5)  # type: ignore[arg-type]
+        with pytest.raises(QueueFullError):
+            await collect(replay, Request("g", [1], SamplingParams(max_tokens=2)))
+
+    asyncio.run(main())
