@@ -145,7 +145,8 @@ class ReplayingEngine(EngineClient):
                     logger.info("request %r goes on on the new engine (samples %s)", group_id,
                                 journal.open_indices)
                 try:
-                    remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    remaining = (timeout_s if failed is None or deadline is None
+                                 else max(deadline - time.monotonic(), 0.0))
                     async with contextlib.aclosing(self._run(engine, journal, remaining)) as outputs:
                         async for out in outputs:
                             if out.stop_reason == ENGINE_FAILED and out.error is not None:
