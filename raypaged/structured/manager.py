@@ -100,7 +100,9 @@ class StructuredOutputManager:
                 if error is not None:
                     failed.append((entry.request, f"structured output grammar failed to compile: {error}"))
                     continue
-                constraint = GrammarConstraint(future.result())
+                spec = entry.request.sampling_params.structured_output
+                assert spec is not None
+                constraint = GrammarConstraint(future.result(), reasoning_end=spec.reasoning_end_token_ids)
                 if not all(constraint.accept(t) for t in entry.request.resumed_output_token_ids):
                     failed.append((entry.request, "the resumed outputs do not match the structured "
                                                   "output grammar"))
