@@ -162,7 +162,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
-        out.block_copies = self.kv_cache_manager.take_block_copies()
+        kv = self.kv_cache_manager
+        out.block_copies, out.kv_transfers = kv.take_block_copies(), kv.take_transfers()
         self._update_after_schedule(out)
         return out
 
@@ -362,7 +363,7 @@ class Scheduler:
             self._scheduled.remove(request)
             if not out.unschedule(request_id):
                 self._on_workers.discard(request_id)  # never got it, or drops it anyway (resent)
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free_preempted(request)  # swapped out to the host tier, if asked
         del self._num_slots[request_id]
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
