@@ -2,7 +2,8 @@
 
 The pool is one tensor [num_host_blocks, layers, 2 (K, V), block_size, kv_heads, head_dim], so a
 host block is contiguous over every layer: one copy moves a run of consecutive host blocks. It is
-pinned on CUDA (asynchronous copies need page-locked memory), plain memory on CPU. Each rank
+pinned on CUDA (asynchronous copies need page-locked memory; release() unpins it), plain memory
+on CPU. Each rank
 holds its own heads; every rank applies the same transfers (the engine decided them once).
 
 Order, on CUDA. All copies run on one side stream, which first waits for everything already
@@ -32,13 +33,29 @@ class HostKVCache:
         k0 = like[0][0]
         self.device = k0.device
         self.on_cuda = self.device.type == "cuda"
-        self.blocks = torch.empty((num_blocks, len(like), 2, *k0.shape[1:]), dtype=k0.dtype,
-                                  pin_memory=self.on_cuda)
-        self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self.blocks = torch.empty((num_blocks, len(like), 2, *k0.shape[1:]), dtype=k0.dtype)
+        self._registered = False
+        self.stream = None
+        if self.on_cuda:
+            # Page-locked by registering the plain allocation: torch's pinned allocator (pin_memory=)
+            # rounds every allocation up to a power of two, which at tens of GiB is real memory.
+            nbytes = self.blocks.numel() * self.blocks.element_size()
+            if nbytes:
+                _check(torch.cuda.cudart().cudaHostRegister(self.blocks.data_ptr(), nbytes, 0), "register")
+                self._registered = True
+            self.stream = torch.cuda.Stream(self.device)
 
     @property
     def num_blocks(self) -> int:
         return self.blocks.shape[0]
+
+    def release(self) -> None:
+        """Unpin the pool (after every copy is done) before its memory goes back."""
+        if self._registered:
+            torch.cuda.synchronize(self.device)
+            _check(torch.cuda.cudart().cudaHostUnregister(self.blocks.data_ptr()), "unregister")
+            self._registered = False
+        self.blocks = torch.empty(0)
 
     def apply(self, transfers: KVTransfers, kv_caches: KVCaches) -> None:
         """Offloads, then loads (KVTransfers' order), ordered with the compute stream."""
@@ -92,6 +109,12 @@ class HostKVCache:
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64).to(self.device)
+
+
+def _check(status: object, what: str) -> None:
+    code = getattr(status, "value", status)  # an enum in some torch builds, an int in others
+    if code != 0:
+        raise RuntimeError(f"cudaHost{what.capitalize()} of the host KV pool failed: error {code}")
 
 
 def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

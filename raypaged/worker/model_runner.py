@@ -129,6 +129,8 @@ class ModelRunner:
         self._scoring.clear()
         self.in_flight.clear()
         self._deferred = None
+        if self.host_kv is not None:
+            self.host_kv.release()
         self.host_kv = None
 
     # ---- applying the diff -------------------------------------------------------------------

@@ -132,3 +132,27 @@ def test_settings_and_flags():
 def test_a_host_tier_too_small_for_one_block_is_a_config_error():
     with pytest.raises(ConfigError, match="holds no KV block"):
         make_llm(8, kv_offload_size=host_gib(1) / 2)
+
+
+def test_the_host_tier_metrics_count_what_the_stats_add():
+    from prometheus_client import generate_latest
+
+    from raypaged.core.kv_cache_interface import KVCacheStats
+    from raypaged.core.scheduler import SchedulerStats
+    from raypaged.frontend.metrics import FrontendMetrics
+
+    metrics = FrontendMetrics("m", 64)
+
+    def record(hits: int, offloaded: int, loaded: int) -> None:
+        kv = KVCacheStats(8, 8, BLOCK, 0, 0, 0, 0, 0, hits, host_cache_hits=hits, num_host_blocks=4,
+                          num_host_free_blocks=3, offloaded_bytes=offloaded, loaded_bytes=loaded)
+        metrics.record_engine_stats(SchedulerStats(0, 0, 0, kv))
+
+    record(16, 4096, 0)
+    record(24, 8192, 2048)
+    text = generate_latest(metrics.registry).decode()
+    for line in ['raypaged_host_cache_hits_total{engine="0",model_name="m"} 24.0',
+                 'raypaged_kv_offloaded_bytes_total{engine="0",model_name="m"} 8192.0',
+                 'raypaged_kv_loaded_bytes_total{engine="0",model_name="m"} 2048.0',
+                 'raypaged_kv_host_free_blocks{engine="0",model_name="m"} 3.0']:
+        assert line in text

@@ -63,4 +63,5 @@ def test_offload_then_load_on_cuda_with_pinned_memory_and_a_copy_stream():
     assert torch.cuda.is_available()
     host = HostKVCache(2, pools(2, "cuda"))
     assert host.blocks.is_pinned() and host.stream is not None
+    host.release()
     roundtrip("cuda")
