@@ -241,7 +241,7 @@ def print_host_tier(record: dict, modes: list[str]) -> None:
                 continue
             share = f" ({tier['host_hits'] / hits:.0%} of the hits)" if hits else ""
             print(f"host tier, {mode} at {r['rate']:g}: {tier['host_hits']:,.0f} prompt tokens from host"
-                  f"{share}; {tier['offload_gb_per_s']:.3f} GB/s out, {tier['load_gb_per_s']:.3f} GB/s in"
+                  f"{share}; {tier['offload_gb_per_s']:.3g} GB/s out, {tier['load_gb_per_s']:.3g} GB/s in"
                   + (f" (copies measured at {bandwidth})" if bandwidth else ""))
 
 
