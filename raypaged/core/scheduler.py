@@ -5,8 +5,8 @@ then admits waiting requests (prefix-cache hits first taken, then their first ch
 token budget (max_num_batched_tokens) and max_num_seqs. When a running request cannot get a
 block, the newest (fcfs) or lowest-priority running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue, to be prefilled again later (prompt
-and outputs so far, with prefix-cache hits). The result is a SchedulerOutput, the diff the workers
-apply (see outputs.py).
+and outputs so far, with prefix-cache hits; a host tier may swap its blocks out and back in).
+The result is a SchedulerOutput, the diff the workers apply (see outputs.py).
 
 update_from_output() takes the step's sampled tokens: it advances the computed tokens
 (registering a block that filled in the prefix cache), appends each token, checks stop
@@ -354,8 +354,8 @@ class Scheduler:
             eos_token_id=request.eos_token_id))
 
     def _preempt(self, index: int, out: SchedulerOutput) -> int:
-        """Preempt running[index] by recompute. Returns the tokens it had been given in this
-        step (now back in the budget)."""
+        """Preempt running[index] (by recompute, unless the manager swaps). Returns the tokens it
+        had been given in this step (now back in the budget)."""
         request = self.running.pop(index)
         request_id = request.request_id
         refund = out.num_scheduled_tokens.pop(request_id, 0)
