@@ -347,6 +347,9 @@ class EngineCore:
             self.executor.shutdown()
             raise ConfigError(f"kv_offload_size ({cache.kv_offload_size} GiB) holds no KV block")
         settings = self.config.scheduler
+        if not settings.enable_prefix_caching and cache.preemption_mode != "swap":
+            logger.warning("kv_offload_size without prefix caching or swap preemption: the host "
+                           "tier holds nothing a request could use")
         return TieredKVCacheManager(
             self.num_blocks, settings.block_size, settings.enable_prefix_caching,
             num_host_blocks=num_host_blocks, swap_preemption=cache.preemption_mode == "swap",
