@@ -103,6 +103,11 @@ class KVCacheManagerInterface(ABC):
         host tier may swap its K/V out first; the others just free them."""
         self.free(request)
 
+    def may_admit(self, request: Request) -> bool:
+        """Whether the waiting request may be scheduled this step. A manager with a host tier
+        may say no once, while it loads the request's prefix for the next step."""
+        return True
+
     def take_transfers(self) -> KVTransfers | None:
         """The host tier's copies queued since the last call (None: none, or no host tier)."""
         return None

@@ -52,6 +52,9 @@ class KVTransfers:
 
     offloads: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    # Whether this step's forward reads a block it loads. If not, the loads may overlap this
+    # step's forward: only the next step's forward must wait for them.
+    loads_read_now: bool = True
 
     def __bool__(self) -> bool:
         return bool(self.offloads or self.loads)

@@ -335,8 +335,8 @@ class Scheduler:
 
     def _may_admit(self, request: Request) -> bool:
         """Hook: may the request at the head of the waiting queue be scheduled now? (If not,
-        nothing behind it is.)"""
-        return True
+        nothing behind it is.) Not while its KV manager loads its prefix from a host tier."""
+        return self.kv_cache_manager.may_admit(request)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _send_new(self, request: Request, block_ids: list[int], out: SchedulerOutput,

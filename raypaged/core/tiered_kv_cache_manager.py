@@ -69,6 +69,9 @@ class TieredKVCacheManager(KVCacheManager):
         self._host_hits: dict[str, list[int]] = {}
         # Preempted by swap -> the host blocks pinned for it until it resumes or ends.
         self._swapped: dict[str, list[int]] = {}
+        self._prefetched: set[str] = set()  # waited one step for a prefetch (until allocated)
+        self._loads_read_now = False  # a load this step is read by this step's forward
+        self._num_prefetches = 0
         self._host_hit_tokens = 0
         self._num_offloaded = 0
         self._num_loaded = 0
@@ -104,26 +107,63 @@ class TieredKVCacheManager(KVCacheManager):
         swapped = self._swapped.get(request_id)
         if not self.enable_prefix_caching and not swapped:
             return blocks, num_tokens
-        max_hit_blocks = (len(request.all_token_ids) - 1) // self.block_size
-        if len(blocks) >= max_hit_blocks:
-            return blocks, num_tokens
-        state = self._requests.get(request_id)
-        if state is None:
-            state = self._requests[request_id] = _RequestBlocks(request)
         # Without prefix caching nothing is shared: only the request's own swapped blocks count.
-        own = None if self.enable_prefix_caching else set(swapped or ())
+        hits = self._host_lookup(request, len(blocks), None if self.enable_prefix_caching else set(swapped or ()))
+        if hits:
+            self._host_hits[request_id] = hits
+        return blocks, num_tokens + len(hits) * self.block_size
+
+    def _host_lookup(self, request: Request, first: int, own: set[int] | None) -> list[int]:
+        """The host blocks caching the request's blocks first, first + 1, ... (its last token
+        always left to compute); with `own`, only those among them."""
+        max_hit_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        if first >= max_hit_blocks:
+            return []
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestBlocks(request)
         hashes, lookup = state.block_hashes, self.host_pool.lookup
         hits: list[int] = []
-        for i in range(len(blocks), max_hit_blocks):
+        for i in range(first, max_hit_blocks):
             if i >= len(hashes):
                 self._hash_blocks(state, i + 1)
             host_id = lookup(hashes[i])
             if host_id is None or (own is not None and host_id not in own):
                 break
             hits.append(host_id)
-        if hits:
-            self._host_hits[request_id] = hits
-        return blocks, num_tokens + len(hits) * self.block_size
+        return hits
+
+    def may_admit(self, request: Request) -> bool:
+        """Prefetch. The first time the request heads the waiting queue with host hits after its
+        GPU hits, they get fresh GPU blocks, registered in the GPU prefix cache and freed at once
+        (cached, evicted last), and their loads are queued; the answer is no. Those loads overlap
+        this step's forward (nothing reads the blocks in it: no other waiting request is admitted
+        behind this one), and next step the request finds them on the GPU. It never waits twice:
+        were the blocks evicted meanwhile, its host hits load with its first chunk. Prefix caching
+        on only (the loaded blocks must be found again)."""
+        request_id = request.request_id
+        if not self.enable_prefix_caching or request.prompt_logprobs_pending or request_id in self._prefetched:
+            return True
+        self._prefetched.add(request_id)
+        gpu_hits, _ = KVCacheManager.get_computed_blocks(self, request)
+        hits = self._host_lookup(request, len(gpu_hits), None)
+        pool, host = self.block_pool, self.host_pool
+        pool.touch(gpu_hits)  # not to be evicted for the loads' blocks
+        if not hits or len(hits) > pool.num_free_blocks:
+            pool.free_blocks(reversed(gpu_hits))
+            return True
+        for host_id in hits:
+            host.pin(host_id)
+        self._step_pins += hits
+        blocks = pool.get_new_blocks(len(hits))
+        hashes = self._requests[request_id].block_hashes[len(gpu_hits):]
+        for host_id, block_id, block_hash in zip(hits, blocks, hashes):
+            if pool.cache_full_block(block_id, block_hash):
+                self._loads.append((host_id, block_id))
+                self._host_hit_tokens += self.block_size
+        pool.free_blocks(reversed(gpu_hits + blocks))  # its tail first: the prefix is evicted last
+        self._num_prefetches += 1
+        return False
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | None = None) -> list[int] | None:
@@ -133,7 +173,7 @@ class TieredKVCacheManager(KVCacheManager):
         hits = self._host_hits.pop(request.request_id, None) if self._host_hits else None
         if not hits:
             new_blocks = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-            if new_blocks is not None and self._swapped:
+            if new_blocks is not None and (self._swapped or self._prefetched):
                 self._release_swapped(request.request_id)  # resumed from the GPU tier alone
             return new_blocks
         state = self._requests[request.request_id]
@@ -151,6 +191,7 @@ class TieredKVCacheManager(KVCacheManager):
             host.unpin(hits)
             return None
         self._step_pins += hits
+        self._loads_read_now = True
         cache = self.block_pool.cache_full_block
         for k, host_id in enumerate(hits):
             block_id = state.block_ids[first + k]
@@ -165,6 +206,8 @@ class TieredKVCacheManager(KVCacheManager):
         return new_blocks
 
     def _release_swapped(self, request_id: str) -> None:
+        """It has blocks again (or ended): its swap pins go, and it may be prefetched again."""
+        self._prefetched.discard(request_id)
         swapped = self._swapped.pop(request_id, None)
         if swapped:
             self.host_pool.unpin(swapped)
@@ -212,6 +255,8 @@ class TieredKVCacheManager(KVCacheManager):
         self._offloads, self._loads, self._step_pins = [], [], []
         self._host_hits.clear()
         self._swapped.clear()
+        self._prefetched.clear()
+        self._loads_read_now = False
         return True
 
     # ---- the step's transfers --------------------------------------------------------------------
@@ -222,8 +267,8 @@ class TieredKVCacheManager(KVCacheManager):
         self._host_hits.clear()  # lookups of requests the step did not admit: looked up again
         if not self._offloads and not self._loads:
             return None
-        transfers = KVTransfers(self._offloads, self._loads)
-        self._offloads, self._loads = [], []
+        transfers = KVTransfers(self._offloads, self._loads, loads_read_now=self._loads_read_now)
+        self._offloads, self._loads, self._loads_read_now = [], [], False
         self._num_offloaded += len(transfers.offloads)
         self._num_loaded += len(transfers.loads)
         return transfers
@@ -231,6 +276,11 @@ class TieredKVCacheManager(KVCacheManager):
     @property
     def num_swapped_requests(self) -> int:
         return len(self._swapped)
+
+    @property
+    def num_prefetches(self) -> int:
+        """Admissions that waited one step for their host hits to load."""
+        return self._num_prefetches
 
     def stats(self) -> KVCacheStats:
         return dataclasses.replace(

@@ -11,8 +11,9 @@ queued on the compute stream (the previous forward may still write a block that 
 now). Offloads gather their GPU blocks into a staging tensor, then copy it to the host; loads copy
 host blocks to a staging tensor, then scatter it into the GPU pools. The compute stream waits for
 the gather only (the offloaded blocks may then be overwritten by this step's forward while the
-staged copy drains to the host) unless the step loads, when it waits for the loads too: the
-forward reads them. A load after an offload in the same stream also reads what that offload wrote.
+staged copy drains to the host) unless the step's forward reads a block it loads, when it waits
+for the loads too; loads it does not read (prefetches) overlap it, and the next step's forward
+waits for them (wait_for_prefetches). A load after an offload in the same stream also reads what that offload wrote.
 Nothing here runs inside a captured graph: the runner applies it before the step's forward.
 """
 
@@ -36,6 +37,7 @@ class HostKVCache:
         self.blocks = torch.empty((num_blocks, len(like), 2, *k0.shape[1:]), dtype=k0.dtype)
         self._registered = False
         self.stream = None
+        self._loaded: torch.cuda.Event | None = None  # after loads no forward has waited for yet
         if self.on_cuda:
             # Page-locked by registering the plain allocation: torch's pinned allocator (pin_memory=)
             # rounds every allocation up to a power of two, which at tens of GiB is real memory.
@@ -65,14 +67,25 @@ class HostKVCache:
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
+        read_now = transfers.loads and transfers.loads_read_now
         with torch.cuda.stream(self.stream):
             gathered = self._offload(transfers.offloads, kv_caches)
-            if not transfers.loads:
+            if not read_now:
                 assert gathered is not None
                 compute.wait_event(gathered)
             self._load(transfers.loads, kv_caches)
-        if transfers.loads:
+            if transfers.loads and not read_now:  # prefetches: the next step's forward waits
+                self._loaded = torch.cuda.Event()
+                self._loaded.record()
+        if read_now:
             compute.wait_stream(self.stream)
+
+    def wait_for_prefetches(self) -> None:
+        """Before a step's forward (every step): the compute stream waits for the loads the
+        previous step let overlap its forward."""
+        if self._loaded is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded)
+            self._loaded = None
 
     def _offload(self, pairs: list[tuple[int, int]], kv_caches: KVCaches) -> torch.cuda.Event | None:
         """Copy GPU blocks to host blocks. Returns (CUDA) the event after the last gather."""

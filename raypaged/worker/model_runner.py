@@ -165,6 +165,8 @@ class ModelRunner:
             tokens[num_computed:end] = token_ids
             state.num_computed_tokens = num_computed
             self.block_table.append(state.row, block_ids)
+        if self.host_kv is not None:
+            self.host_kv.wait_for_prefetches()
         if out.kv_transfers is not None:  # the host tier's copies come first (core/outputs.py)
             if self.host_kv is None:
                 raise RuntimeError("the engine sent host-tier transfers to a worker without a host pool")

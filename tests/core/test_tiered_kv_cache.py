@@ -145,7 +145,7 @@ class TierShadowWorker(ShadowWorker):
     def __init__(self, num_host_blocks: int, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.host: list[list[int | None] | None] = [None] * num_host_blocks
-        self.num_offloads = self.num_loads = 0
+        self.num_offloads = self.num_loads = self.num_prefetched = 0
 
     def _execute(self, out: SchedulerOutput):
         transfers = out.kv_transfers
@@ -157,13 +157,23 @@ class TierShadowWorker(ShadowWorker):
             for gpu, host in transfers.offloads:
                 assert None not in self.kv[gpu], f"offloading block {gpu}, which is not full"
                 self.host[host] = list(self.kv[gpu])
-            for host, gpu in transfers.loads:
-                data = self.host[host]
-                assert data is not None, f"loading host block {host}, which holds nothing"
-                self.kv[gpu] = list(data)
+            loads = [(host, gpu, self.host[host]) for host, gpu in transfers.loads]
+            assert all(data is not None for _, _, data in loads), "loading a host block holding nothing"
+            if transfers.loads_read_now:
+                self._load(loads)
             self.num_offloads += len(transfers.offloads)
             self.num_loads += len(transfers.loads)
-        return super()._execute(out)
+        result = super()._execute(out)
+        if transfers is not None and not transfers.loads_read_now:
+            # Prefetches overlap the forward: as if they landed only after it (a read of one
+            # in this step would read the block's old contents, and fail the read check).
+            self._load(loads)
+            self.num_prefetched += len(loads)
+        return result
+
+    def _load(self, loads) -> None:
+        for _, gpu, data in loads:
+            self.kv[gpu] = list(data)
 
 
 def check_host_tier(scheduler) -> None:
@@ -189,7 +199,7 @@ def run_tiered_sequence(config: SchedulerConfig, ops, seed: int, num_host_blocks
         make_worker=lambda *args, **kwargs: TierShadowWorker(num_host_blocks, *args, **kwargs),
         check_more=check_host_tier)
     kv = scheduler.kv_cache_manager
-    assert not kv._swapped and all(p == 0 for p in kv.host_pool.pin_cnt)
+    assert not kv._swapped and not kv._prefetched and all(p == 0 for p in kv.host_pool.pin_cnt)
 
 
 @FAST

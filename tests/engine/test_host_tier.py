@@ -70,10 +70,12 @@ def test_evicted_prefix_blocks_come_back_from_the_host_tier(async_scheduling):
     try:
         assert run_turns(llm, turns, params) == expected
         stats = llm.engine.scheduler.stats().kv_cache
+        prefetches = llm.engine.scheduler.kv_cache_manager.num_prefetches
         check_pools_whole(llm)
     finally:
         llm.shutdown()
     assert stats.host_cache_hits >= 32  # the whole prefix, at least once
+    assert prefetches > 0  # a request waited a step for its loads (the step did not)
     assert stats.offloaded_bytes > 0 and stats.loaded_bytes > 0
     assert_matches_hf(NAME, turns[2], [_Result(samples) for samples in expected[2]], max_tokens=6)
 
