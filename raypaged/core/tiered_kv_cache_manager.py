@@ -7,10 +7,13 @@ step's forward writes the block.
 
 Host hits. get_computed_blocks finds the request's leading cached blocks on the GPU, then the
 blocks that follow in the host tier (the whole hash compared: tokens and salt, never another
-tenant's). allocate_slots gives each host hit a fresh GPU block, registers it in the GPU prefix
-cache under the hit's hash and queues the load (host block, GPU block); the request's first
-chunk runs in the same step, after the load. The host block stays cached too, pinned until the
-step's transfers are taken, so nothing overwrites it before it is read.
+tenant's). The first time a request heads the waiting queue with host hits, may_admit prefetches
+them (fresh GPU blocks in the GPU prefix cache, loads queued; see may_admit) and the request waits
+one step, so the loads overlap that step's forward. Otherwise allocate_slots gives each host hit
+a fresh GPU block, registers it in the GPU prefix cache under the hit's hash and queues the load
+(host block, GPU block); the request's first chunk runs in the same step, after the load
+(KVTransfers.loads_read_now). A host block being read stays cached too, pinned until the step's
+transfers are taken, so nothing overwrites it before it is read.
 
 Swap preemption (swap_preemption): free_preempted first stores the request's full computed
 blocks in the host tier (copying those not there yet) and pins them for it; on resumption its
