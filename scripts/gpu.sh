@@ -42,6 +42,11 @@
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
 #   serving-multiturn  multi-turn chat (shared system prompt, whole history resent), prefix caching
 #                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~6
+#   serving-host-tier  the same chat trace on a pool (7,500 blocks, 15 GiB) a few times smaller than
+#                its reusable KV: prefix caching alone vs with a 48 GiB host tier [Ray]
+#                -> serving_8b-host-tier_h200.json, .png (not yet run)
+#   serving-swap the same, overloaded (rates 4, 8): host tier with recompute vs swap preemption
+#                [Ray] -> serving_8b-swap_h200.json, .png (not yet run)
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
@@ -165,6 +170,17 @@ suite() {
             --trace multiturn --rates 2,4,8 --arrival-window-s 15 --system-prompt-len 500 --user-turn-mean 100 \
             --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 --stop-ttft-s 10 \
             --mode-budget-s 200 --warmup-rate-requests 20 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
+        # The host tier (issue 25): at 128 KiB of KV a token, the ~60 conversations of a 15 s window
+        # reuse ~50 GiB, 3-4x the 7,500-block pool; the host tier holds the rest.
+        serving-host-tier|serving-swap)
+            local modes=prefix-cache,host-tier rates=2,4 name=8b-host-tier_h200
+            [ "$1" = serving-swap ] && modes=host-tier,host-tier-swap rates=4,8 name=8b-swap_h200
+            use_ray && bench "$1" 560 python3 -m benchmarks.bench_serving --shape 8b \
+            --trace multiturn --modes "$modes" --rates "$rates" --arrival-window-s 15 --system-prompt-len 500 \
+            --user-turn-mean 100 --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 \
+            --num-kv-blocks 7500 --kv-offload-size 48 --stop-ttft-s 10 --mode-budget-s 250 \
+            --warmup-rate-requests 20 --name "$name" --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
