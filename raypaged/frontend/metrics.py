@@ -125,6 +125,8 @@ class FrontendMetrics:
         self.request_errors = Counter("raypaged_request_errors",
                                       "Requests refused or failed, by gRPC status code.",
                                       names + ["code"], registry=self.registry)
+        self.streams_replayed = make(Counter, "streams_replayed",
+                                     "Streams that went on on a new engine after theirs died.")
         self.requests_shed = Counter("raypaged_requests_shed",
                                      "Requests refused under overload (429 / RESOURCE_EXHAUSTED), by reason.",
                                      names + ["reason"], registry=self.registry)

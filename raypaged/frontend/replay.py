@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTimeoutError
@@ -48,6 +48,7 @@ class ReplayingEngine(EngineClient):
         self.current = engine
         self.recovery_timeout_s = recovery_timeout_s
         self.num_replayed = 0  # streams that went on on a new engine
+        self.on_replay: Callable[[], object] | None = None  # called as each one does (a metric)
         self._journals: dict[str, StreamJournal] = {}  # by group id
         self._lost_at: float | None = None  # when the current engine was found dead
         self._given_up = False
@@ -142,6 +143,8 @@ class ReplayingEngine(EngineClient):
                     return
                 if failed is not None and refused_at is None:
                     self.num_replayed += 1
+                    if self.on_replay is not None:
+                        self.on_replay()
                     logger.info("request %r goes on on the new engine (samples %s)", group_id,
                                 journal.open_indices)
                 try:

@@ -218,6 +218,9 @@ def test_streams_go_on_on_the_new_engine_as_if_nothing_happened(server):
     assert http.error is None and http.text == text and http.finish == "length"
     assert server.engine is not old_engine
     assert server.server.replay.num_replayed >= replayed + 4  # the stop stream may finish first
+    metric = server.server.metrics.registry.get_sample_value(
+        "raypaged_streams_replayed_total", {"model_name": server.server.service.model_name, "engine": "0"})
+    assert metric == server.server.replay.num_replayed
     assert late.error is None and late.tokens == [hf_greedy(checkpoint_dir(NAME), tuple(prompts[1]), 12)]
     server.wait_pool_whole()
     assert_only_one_engine_left()
