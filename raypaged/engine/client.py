@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -61,6 +61,9 @@ class AsyncEngineClient:
         # The engine's load as of the last batch pulled (None until the first): the front
         # door's shedding reads it (frontend/load_shedding.py).
         self.load: EngineLoad | None = None
+        # Called with each pulled batch's prefix-cache events and load (a data-parallel router's
+        # feed, frontend/data_parallel.py); None: nobody listens.
+        self.on_batch: Callable[[list[int], EngineLoad | None], None] | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
@@ -180,6 +183,8 @@ class AsyncEngineClient:
                 return
             if outputs.load is not None:
                 self.load = outputs.load
+            if self.on_batch is not None:
+                self.on_batch(outputs.cache_events, outputs.load)
             for out in outputs:
                 stream = self._streams.get(out.group_id)
                 if stream is not None:  # else: a request that ended here already
@@ -194,6 +199,11 @@ class AsyncEngineClient:
         self._gone.set()
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(message))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's scheduler stats (engine/actor.py EngineActor.stats)."""
+        stats: dict[str, Any] = await self.actor.stats.remote()
+        return stats
 
     @property
     def is_alive(self) -> bool:

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.auth import BearerTokenInterceptor
+from raypaged.frontend.data_parallel import EngineHandle
 from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import MalformedRequestInterceptor
 from raypaged.frontend.metrics import FrontendMetrics
@@ -58,7 +59,7 @@ class ServerConfig:
 
 
 class FrontendServer:
-    def __init__(self, engine: AsyncEngineClient, tokenizer: Any, config: ServerConfig | None = None,
+    def __init__(self, engine: EngineHandle, tokenizer: Any, config: ServerConfig | None = None,
                  owns_engine: bool = False, engine_factory: EngineFactory | None = None) -> None:
         """config: None for the defaults (a ServerConfig of this server's own: it is mutable).
         engine_factory: how to start a new engine when this one dies (None: stay NOT_SERVING)."""
@@ -144,8 +145,8 @@ class FrontendServer:
             reason = await self.engine.wait_dead()
             logger.error("%s: health is NOT_SERVING", reason)
             await self._set_health(NOT_SERVING)
-            if self.supervisor is None:
-                return
+            if self.supervisor is None or not isinstance(self.engine, AsyncEngineClient):
+                return  # data-parallel replicas are replaced one by one by their own client
             engine = await self.supervisor.replace(self.engine)
             if engine is None:
                 return
@@ -157,7 +158,7 @@ class FrontendServer:
 
     async def _poll_engine_once(self) -> None:
         try:
-            stats = await self.engine.actor.stats.remote()
+            stats = await self.engine.stats()
             self.metrics.record_engine_stats(stats["scheduler"])
         except Exception:  # the pump notices a dead engine; here a missed poll is all
             logger.debug("engine stats poll failed", exc_info=True)
