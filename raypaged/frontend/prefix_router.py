@@ -145,14 +145,11 @@ class PrefixRouter:
         and count the request as in flight there (call finished(route) when its stream ends).
         Raises NoReplicaError when no live replica is left outside `exclude`."""
         live = [i for i, s in enumerate(self.replicas) if s.alive and i not in exclude]
-        if not live:
-            raise NoReplicaError("no live data-parallel replica to take the request")
-        if self.policy == "round_robin":
-            choice = self._round_robin(live)
-        elif self.policy == "p2c":
-            choice = self._p2c(live)
-        else:
-            choice = self._prefix(live, hash_values)
+        return self.record(self.pick(hash_values, live), hash_values)
+
+    def record(self, choice: int, hash_values: list[int]) -> Route:
+        """Count a request with these prompt blocks as sent to replica `choice` (in flight, its
+        blocks pending there) until finished(route)."""
         matched = self.matched_blocks(choice, hash_values)
         state = self.replicas[choice]
         state.in_flight += 1
@@ -163,6 +160,22 @@ class PrefixRouter:
         for value in hash_values:
             pending[value] = pending.get(value, 0) + 1
         return Route(choice, matched, tuple(hash_values))
+
+    def pick(self, hash_values: list[int], candidates: list[int]) -> int:
+        """The policy's choice among `candidates` (replica indices), counting nothing (route()
+        does; a caller keeping its own counts, as Serve's router does, calls this alone)."""
+        if not candidates:
+            raise NoReplicaError("no live data-parallel replica to take the request")
+        if self.policy == "round_robin":
+            return self._round_robin(candidates)
+        if self.policy == "p2c":
+            return self._p2c(candidates)
+        return self._prefix(candidates, hash_values)
+
+    def add_replica(self) -> int:
+        """One more replica (Serve scaling up): its index."""
+        self.replicas.append(ReplicaState())
+        return len(self.replicas) - 1
 
     def _round_robin(self, live: list[int]) -> int:
         n = len(self.replicas)
