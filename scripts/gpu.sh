@@ -37,6 +37,9 @@
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
 #   serving-multiturn  multi-turn chat (shared system prompt, whole history resent), prefix caching
 #                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~6
+#   serving-multitenant  8 tenants' system prompts, two data-parallel engines sharing the GPU (0.45 of
+#                its memory each): prefix router vs p2c vs round robin vs one engine with both pools [Ray]
+#                -> serving_8b-multitenant_h200.json, .png, ~9
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
@@ -53,7 +56,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving
-         serving-multiturn channel staging sampler structured)
+         serving-multiturn serving-multitenant channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -151,6 +154,13 @@ suite() {
             --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 --stop-ttft-s 10 \
             --mode-budget-s 200 --warmup-rate-requests 20 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
+        # 6,000 blocks a replica (96k tokens): the conversations' ~240k tokens of reusable KV
+        # overflow one replica's pool, so where a history lands decides whether it is still cached.
+        serving-multitenant) use_ray && bench serving-multitenant 560 python3 -m benchmarks.bench_serving --shape 8b \
+            --trace multitenant --rates 4 --arrival-window-s 15 --system-prompts 8 --system-prompt-len 1000 \
+            --user-turn-mean 100 --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 \
+            --num-kv-blocks 6000 --stop-ttft-s 10 --mode-budget-s 130 --warmup-rate-requests 8 --out "$OUT_DIR" \
+            -- --max-model-len 8192 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 ;;
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
         sampler) bench sampler 120 python3 -m benchmarks.bench_sampler --out "$OUT_DIR" ;;

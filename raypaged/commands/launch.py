@@ -99,6 +99,26 @@ def _check_data_parallel(args: argparse.Namespace, config: EngineConfig) -> None
                           "in every process: --prefix-caching-hash-algo sha256")
 
 
+def _gpu_share(config: EngineConfig, replicas: int) -> float:
+    """The part of a GPU each data-parallel engine reserves: a whole one while the cluster has
+    one for each; else they share the cards (tp 1 only), each within its memory share."""
+    import ray
+
+    from raypaged.config import ConfigError
+
+    gpus: float = ray.cluster_resources().get("GPU", 0)
+    if not gpus or gpus >= replicas * config.parallel.tensor_parallel_size:
+        return 1.0
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"{replicas} replicas of tp {config.parallel.tensor_parallel_size} need "
+                          f"{replicas * config.parallel.tensor_parallel_size} GPUs, the cluster has {gpus:g}")
+    share = gpus / replicas
+    if config.cache.gpu_memory_utilization > share:
+        raise ConfigError(f"{replicas} engines share {gpus:g} GPU(s): --gpu-memory-utilization must be "
+                          f"at most {share:g} (each engine's share of the memory)")
+    return share
+
+
 def _check_port_free(host: str, port: int | None) -> None:
     import socket
 
@@ -141,9 +161,10 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
     engine: EngineHandle | None = None
     try:
         if args.data_parallel_size > 1:
+            share = _gpu_share(config, args.data_parallel_size)
             engine = await DataParallelEngineClient.start(
-                args.data_parallel_size, lambda: AsyncEngineClient.start(config), args.routing_policy,
-                restart=args.engine_restart)
+                args.data_parallel_size, lambda: AsyncEngineClient.start(config, gpu_share=share),
+                args.routing_policy, restart=args.engine_restart)
         else:
             engine = await AsyncEngineClient.start(config)
         info = engine.model_info

@@ -66,14 +66,16 @@ class AsyncEngineClient:
         self.on_batch: Callable[[list[int], EngineLoad | None], None] | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
+    async def start(cls, config: EngineConfig, actor_name: str | None = None,
+                    gpu_share: float = 1.0) -> AsyncEngineClient:
         """Create the engine actor (it takes a GPU itself only when it runs the model in
-        process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready."""
+        process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready.
+        gpu_share: the part of that GPU it reserves (data-parallel engines sharing a card)."""
         gpus: float = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]  # unannotated in Ray
         in_process_gpu = (not config.parallel.uses_ray_workers and config.model_settings.device != "cpu"
                           and gpus >= 1)
         options: dict[str, Any] = dict(max_concurrency=32, num_cpus=0 if not in_process_gpu else 1,
-                       num_gpus=1 if in_process_gpu else 0)
+                       num_gpus=gpu_share if in_process_gpu else 0)
         if actor_name:
             options.update(name=actor_name, get_if_exists=False)
         # Ray types what .remote() makes as ActorProxy, a handle or the class itself.
