@@ -101,3 +101,32 @@ def test_bad_settings():
         PrefixRouter(2, "random")
     with pytest.raises(ValueError):
         PrefixRouter(0)
+
+
+def test_metrics_count_per_replica_and_merge_sums_engines():
+    from prometheus_client import CollectorRegistry
+
+    from raypaged.core.kv_cache_interface import KVCacheStats
+    from raypaged.core.scheduler import SchedulerStats
+    from raypaged.frontend.router_metrics import RouterMetrics, merge_stats
+
+    def stats(hits: int) -> SchedulerStats:
+        return SchedulerStats(1, 2, 0, KVCacheStats(10, 4, 16, 96, 90, 100, 10, 64, hits))
+
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry, "m")
+    router = PrefixRouter(2)
+    holding(router, 1, A)
+    router.route(A)
+    router.route(A)  # balanced: both go to 1, which holds A
+    metrics.record(router, {0: stats(0), 1: stats(48)})
+    metrics.record(router, {0: stats(0), 1: stats(48)})  # totals, not increments: no double count
+
+    def value(name: str, replica: str) -> float | None:
+        return registry.get_sample_value(f"raypaged_dp_{name}", {"model_name": "m", "replica": replica})
+
+    assert value("routed_requests_total", "1") == 2 and value("routed_requests_total", "0") == 0
+    assert value("routed_matched_blocks_total", "1") == 8
+    assert value("prefix_cache_hits_total", "1") == 48 and value("in_flight_requests", "1") == 2
+    merged = merge_stats([stats(0), stats(48)])
+    assert (merged.num_waiting, merged.kv_cache.num_blocks, merged.kv_cache.prefix_cache_hits) == (4, 20, 48)
