@@ -157,8 +157,7 @@ class DataParallelEngineClient:
                             yield out
                     return
                 except EngineDeadError:
-                    if client.is_alive:
-                        raise  # not this replica's death: as one engine would
+                    # This replica is gone (its pump may notice a moment later than this stream).
                     tried.add(route.replica)
                     if sent and request.sampling_params.n > 1:
                         raise

@@ -161,14 +161,16 @@ class PrefixRouter:
             pending[value] = pending.get(value, 0) + 1
         return Route(choice, matched, tuple(hash_values))
 
-    def pick(self, hash_values: list[int], candidates: list[int]) -> int:
-        """The policy's choice among `candidates` (replica indices), counting nothing (route()
-        does; a caller keeping its own counts, as Serve's router does, calls this alone)."""
+    def pick(self, hash_values: list[int], candidates: list[int], policy: str | None = None) -> int:
+        """The policy's choice (this router's, or `policy`) among `candidates` (replica
+        indices), counting nothing: route() does; a caller keeping its own counts, as Serve's
+        router does, calls this alone."""
         if not candidates:
             raise NoReplicaError("no live data-parallel replica to take the request")
-        if self.policy == "round_robin":
+        policy = policy or self.policy
+        if policy == "round_robin":
             return self._round_robin(candidates)
-        if self.policy == "p2c":
+        if policy == "p2c":
             return self._p2c(candidates)
         return self._prefix(candidates, hash_values)
 

@@ -155,6 +155,7 @@ class RaypagedDeployment:
         return {"replica": self.replica_id, "num_running": stats["num_running"],
                 "num_waiting": stats["num_waiting"], "num_blocks": stats["scheduler"].kv_cache.num_blocks,
                 "num_free_blocks": stats["scheduler"].kv_cache.num_free_blocks,
+                "prefix_cache_hits": stats["scheduler"].kv_cache.prefix_cache_hits,
                 "in_flight": self.service.num_in_flight}
 
     def metrics_text(self) -> str:

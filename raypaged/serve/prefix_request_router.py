@@ -7,8 +7,8 @@ holds (cut to 64 bits: `routing_value`) and its engine's load. Between polls, th
 count of requests routed to a replica and not yet answered, and their prompt blocks (pending
 there), cover what the snapshot has not caught up with.
 
-What it sees of a request: a raypaged.v1 GenerateRequest, as Serve's gRPC proxy passes it (in a
-gRPCRequest) or as a DeploymentHandle caller passes it. Its prompt is hashed with core's chain;
+What it sees of a request: a raypaged.v1 GenerateRequest, as Serve's gRPC proxy passes it (a
+pickled gRPCRequest) or as a DeploymentHandle caller passes it. Its prompt is hashed with core's chain;
 a text prompt is tokenized with the model's tokenizer, as the replica will. Serve's HTTP proxy
 routes before the body is read (the router gets the ASGI scope alone), so OpenAI HTTP requests
 through it are placed by load only (power of two choices over the same loads).
@@ -17,6 +17,7 @@ through it are placed by load only (power of two choices over the same loads).
 from __future__ import annotations
 
 import logging
+import pickle
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -37,7 +38,15 @@ def routing_value(hash_value: int) -> int:
 
 
 def generate_request_of(pending: PendingRequest) -> pb.GenerateRequest | None:
+    """The GenerateRequest among the request's arguments: a handle caller's own, or the one
+    Serve's gRPC proxy sends (a gRPCRequest, pickled by the proxy itself, as the replica will
+    unpickle it)."""
     for arg in (*pending.args, *pending.kwargs.values()):
+        if isinstance(arg, bytes):
+            try:
+                arg = pickle.loads(arg)  # noqa: S301 - bytes Serve's own proxy pickled
+            except Exception:  # noqa: BLE001 - not the proxy's: placed by load
+                continue
         message = getattr(arg, "user_request_proto", arg)  # Serve's gRPCRequest wraps it
         if isinstance(message, pb.GenerateRequest):
             return message
@@ -90,7 +99,8 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
             self._refresh(index, replica)
             by_index[index] = replica
         values = self._hash_values(pending_request)
-        choice = self._router.pick(values, sorted(by_index))
+        # A request whose prompt it cannot read: by load alone (power of two choices).
+        choice = self._router.pick(values, sorted(by_index), None if values else "p2c")
         rest = [r for i, r in by_index.items() if i != choice]
         return [[by_index[choice]], rest] if rest else [[by_index[choice]]]
 

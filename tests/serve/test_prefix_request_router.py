@@ -4,6 +4,7 @@ and a gRPC GenerateRequest's prompt decide the ranking."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, gRPCRequest
@@ -37,8 +38,9 @@ def hashes(prompt: list[int]) -> list[int]:
 
 
 def request(prompt: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(args=[gRPCRequest(user_request_proto=pb.GenerateRequest(prompt_token_ids=prompt))],
-                           kwargs={})
+    """As Serve's gRPC proxy sends it: a gRPCRequest, pickled."""
+    message = gRPCRequest(user_request_proto=pb.GenerateRequest(prompt_token_ids=prompt))
+    return SimpleNamespace(args=[pickle.dumps(message)], kwargs={})
 
 
 def make_router() -> PrefixAwareRequestRouter:
