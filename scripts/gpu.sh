@@ -27,9 +27,12 @@
 #   kernels      decode / prefill attention against FlashInfer (the .whl/ wheels, carried) and SDPA:
 #                bandwidth, TFLOP/s, targets -> kernels_h200.json, .png, ~6 (FlashInfer compiles ~2-3)
 #   decode       the 8B engine's decode step at batch 1, 8, 64, 256 -> decode_8b_h200.json, .png, ~3
+#   decode-families  the same at batch 1 and 64 for Qwen3-8B, Gemma-2-9B and Phi-3-medium's shapes
+#                (dummy weights) -> decode_<shape>_h200.json, .png each, ~6 (not yet run)
 #   trace        the same step traced: GPU busy vs wall, kernels -> decode_trace_8b_h200.json, .png, ~2
 #   phases       host phases of a step, in process and through Ray [Ray] -> decode_phases_8b_h200.json, ~3
 #   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
+#   model-fp8    the same with FP8 weights (quantized at load) -> decode_model_fp8_8b_h200.json, ~2
 #   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
@@ -55,7 +58,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving
+ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv prefill throughput reservation serving
          serving-multiturn serving-multitenant channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -124,6 +127,13 @@ suite() {
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
             --prompt-len 64 --output-len 32 --out "$OUT_DIR" ;;
+        decode-families) local shape status=0
+            for shape in qwen3-8b gemma2-9b phi3-medium; do
+            bench "decode-$shape" 180 python3 -m benchmarks.bench_decode --mode time --shape "$shape" \
+                --executors uni --scheduling async --batch-sizes 1,64 --context 1024 --steps 50 \
+                --throughput-batch 8 --prompt-len 64 --output-len 32 --out "$OUT_DIR" || status=1
+            done
+            return "$status" ;;
         trace) bench trace 200 python3 -m benchmarks.bench_decode --mode trace --shape 8b --scheduling async \
             --batch-sizes 1,64 --context 1024 --steps 30 --max-num-seqs 64 --max-num-batched-tokens 8192 \
             --out "$OUT_DIR" ;;
@@ -131,6 +141,8 @@ suite() {
             --executors uni,ray --scheduling sync --batch-sizes 1,64 --context 1024 --steps 30 --out "$OUT_DIR" ;;
         model) bench model 150 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
             --context 1024 --out "$OUT_DIR" ;;
+        model-fp8) bench model-fp8 200 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
+            --context 1024 --quantization fp8 --out "$OUT_DIR" ;;
         gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
         prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
         throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \

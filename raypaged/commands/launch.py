@@ -147,10 +147,14 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
     from raypaged.frontend.load_shedding import OverloadPolicy
     from raypaged.frontend.router_metrics import RouterMetrics
     from raypaged.frontend.server import FrontendServer, ServerConfig
+    from raypaged.frontend.tenants import unused_priorities_warning
 
     logger = logging.getLogger("raypaged.launch")
     security = args.security
     warn_if_exposed(args.host, security, logger)
+    unused = unused_priorities_warning(security.api_keys, config.scheduler.scheduling_policy)
+    if unused is not None:
+        logger.warning("%s", unused)
     started_ray = not ray.is_initialized()
     if started_ray:
         # Ray's GCS keeps the events of up to 100,000 tasks (~200 MiB); the engine makes one
@@ -176,7 +180,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                          model_name=model_name, shutdown_grace_s=args.shutdown_grace,
                          max_message_bytes=security.max_message_bytes, tls=security.tls,
-                         auth_token=security.auth_token, overload=OverloadPolicy.from_config(config)),
+                         auth_token=security.auth_token, tenants=security.api_keys,
+                         overload=OverloadPolicy.from_config(config)),
             owns_engine=True,
             engine_factory=((lambda: AsyncEngineClient.start(config))
                             if args.engine_restart and args.data_parallel_size == 1 else None))

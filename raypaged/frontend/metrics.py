@@ -48,6 +48,10 @@ class FrontendMetrics:
     process, as in tests). Label values: the served model's name and an engine index (a Ray
     Serve replica sets its own)."""
 
+    # Families whose label values are known only per call (a code, a reason, a tenant).
+    PER_CALL_FAMILIES = ("request_errors", "requests_shed", "tenant_requests", "tenant_prompt_tokens",
+                         "tenant_generation_tokens", "tenant_requests_refused", "tenant_requests_in_flight")
+
     def __init__(self, model_name: str, max_model_len: int, engine: str = "0",
                  registry: CollectorRegistry | None = None) -> None:
         # As vLLM: no `_created` series beside every counter and histogram (process-wide).
@@ -114,6 +118,23 @@ class FrontendMetrics:
         self.requests_shed = Counter("raypaged_requests_shed",
                                      "Requests refused under overload (429 / RESOURCE_EXHAUSTED), by reason.",
                                      names + ["reason"], registry=self.registry)
+        # Per tenant (API key, frontend/tenants.py): labelled by its name as well.
+        tenant_names = names + ["tenant"]
+        self.tenant_requests = Counter("raypaged_tenant_requests", "Requests admitted, per tenant.",
+                                       tenant_names, registry=self.registry)
+        self.tenant_prompt_tokens = Counter("raypaged_tenant_prompt_tokens",
+                                            "Prompt tokens of the requests admitted, per tenant.",
+                                            tenant_names, registry=self.registry)
+        self.tenant_generation_tokens = Counter("raypaged_tenant_generation_tokens",
+                                                "Tokens generated, per tenant.", tenant_names,
+                                                registry=self.registry)
+        self.tenant_requests_refused = Counter(
+            "raypaged_tenant_requests_refused",
+            "Requests refused with 429 / RESOURCE_EXHAUSTED, per tenant and reason (its own "
+            "limits, or the server's overload shedding).", tenant_names + ["reason"], registry=self.registry)
+        self.tenant_requests_in_flight = Gauge("raypaged_tenant_requests_in_flight",
+                                               "Requests in flight, per tenant.", tenant_names,
+                                               registry=self.registry)
         self._values = values
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = make(
@@ -173,6 +194,20 @@ class FrontendMetrics:
     def record_shed(self, reason: str) -> None:
         """A request shed by the front door (frontend/load_shedding.py SHED_REASONS)."""
         self.requests_shed.labels(*self._values, reason).inc()
+
+    def record_tenant_admitted(self, tenant: str, num_prompt_tokens: int) -> None:
+        self.tenant_requests.labels(*self._values, tenant).inc()
+        self.tenant_prompt_tokens.labels(*self._values, tenant).inc(num_prompt_tokens)
+
+    def record_tenant_tokens(self, tenant: str, generated: int) -> None:
+        self.tenant_generation_tokens.labels(*self._values, tenant).inc(generated)
+
+    def record_tenant_refused(self, tenant: str, reason: str) -> None:
+        """reason: frontend/rate_limit.py REASONS or frontend/load_shedding.py SHED_REASONS."""
+        self.tenant_requests_refused.labels(*self._values, tenant, reason).inc()
+
+    def record_tenant_in_flight(self, tenant: str, in_flight: int) -> None:
+        self.tenant_requests_in_flight.labels(*self._values, tenant).set(in_flight)
 
     def track(self, num_prompt_tokens: int, n: int, max_tokens: int) -> RequestTracker:
         self.request_params_n.observe(n)

@@ -97,7 +97,10 @@ class StructuredOutputManager:
                 if error is not None:
                     failed.append((entry.request, f"structured output grammar failed to compile: {error}"))
                     continue
-                entry.request.constraint = GrammarConstraint(future.result())
+                spec = entry.request.sampling_params.structured_output
+                assert spec is not None
+                entry.request.constraint = GrammarConstraint(future.result(),
+                                                             reasoning_end=spec.reasoning_end_token_ids)
                 self._live_groups.add(entry.request.group_id)
                 ready.append(entry.request)
             elif now > entry.deadline:

@@ -190,24 +190,34 @@ def test_skinny_fp8_gemm_on_the_gpu_matches_the_reference(rows):
 
 
 @pytest.mark.gpu
-def test_fp8_model_on_the_gpu_is_close_to_the_cpu_reference():
+def test_fp8_model_on_the_gpu_loses_no_more_than_the_fp8_arithmetic():
     """The whole decoder in bf16 on the GPU (_scaled_mm for prefill, the skinny FP8 GEMM for
-    decode rows) against the fp32 CPU reference of the same FP8 weights."""
+    decode rows) against the fp32 CPU model without quantization: no farther than the fp32 CPU
+    reference of the same FP8 weights is (FP8's own error on this random model, ~10% of the
+    logits' norm), plus what bf16 alone costs. The GPU cannot match the CPU reference closely:
+    row-scaled _scaled_mm writes bf16, and each rounding moves some activations across an e4m3
+    step in the next layer. A wrong or missing scale lands near 100%."""
     from raypaged.model.loader import load_model
     from tests.support.checkpoints import checkpoint_dir
     from tests.support.model_harness import PagedHarness, run_mixed_schedule
 
-    def logits(device, dtype):
-        model = load_model(checkpoint_dir("llama"), dtype=dtype, device=device, quantization="fp8", progress=False)
-        harness = PagedHarness(model, model.config, block_size=16, num_blocks=32, seed=3, dtype=dtype, device=device)
-        prompts = {"a": list(range(3, 20)), "b": list(range(40, 45))}
-        run_mixed_schedule(harness, prompts, 4)
-        return {r: harness.logits_of(r).float().cpu() for r in prompts}, model
+    prompts = {"a": list(range(3, 20)), "b": list(range(40, 45))}
 
-    cpu, _ = logits("cpu", torch.float32)
-    gpu, model = logits("cuda", torch.bfloat16)
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
-    for req in cpu:
-        n = min(len(cpu[req]), len(gpu[req])) - 4  # the prompt's positions
-        rel = (gpu[req][:n] - cpu[req][:n]).norm() / cpu[req][:n].norm()
-        assert rel < 0.05, (req, float(rel))
+    def prompt_logits(device, dtype, quantization):
+        model = load_model(checkpoint_dir("llama"), dtype=dtype, device=device,
+                           quantization=quantization, progress=False)
+        if quantization:
+            assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+        harness = PagedHarness(model, model.config, block_size=16, num_blocks=32, seed=3, dtype=dtype, device=device)
+        run_mixed_schedule(harness, prompts, 4)
+        # The prompt's positions only: the generated tokens may differ, and with them the inputs.
+        return {r: harness.logits_of(r)[:len(p)].float().cpu() for r, p in prompts.items()}
+
+    def rel(x, y):
+        return max(float((x[r] - y[r]).norm() / y[r].norm()) for r in prompts)
+
+    exact = prompt_logits("cpu", torch.float32, None)
+    fp8_reference = rel(prompt_logits("cpu", torch.float32, "fp8"), exact)
+    bf16_alone = rel(prompt_logits("cuda", torch.bfloat16, None), exact)
+    fp8_gpu = rel(prompt_logits("cuda", torch.bfloat16, "fp8"), exact)
+    assert fp8_gpu <= 1.25 * fp8_reference + bf16_alone, (fp8_gpu, fp8_reference, bf16_alone)
