@@ -44,6 +44,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="seconds that streams in flight get to finish on SIGINT / SIGTERM")
     group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
                        help="start a new engine (with backoff) when the engine actor dies")
+    group.add_argument("--engine-recovery-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="how long streams in flight (and new requests) wait for the new engine "
+                            "after the engine actor died, to go on there with nothing lost; past "
+                            "it they end with UNAVAILABLE (0: at once)")
     group.add_argument("--data-parallel-size", "--dp", type=int, default=1,
                        help="engine replicas behind this frontend, each with its own TP group and "
                             "KV pool; a router picks one per request")
@@ -66,6 +70,7 @@ def run_server(args: argparse.Namespace, command: str, attach: Attach | None = N
     import logging
 
     from raypaged.config import ConfigError
+    from raypaged.frontend.supervisor import RestartPolicy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -73,7 +78,8 @@ def run_server(args: argparse.Namespace, command: str, attach: Attach | None = N
         config.validate()
         _check_data_parallel(args, config)
         args.security = security_from_args(args)
-    except (ConfigError, ValueError) as e:  # ValueError: a bad TLS or token setting
+        args.restart_policy = RestartPolicy(recovery_timeout_s=args.engine_recovery_timeout)
+    except (ConfigError, ValueError) as e:  # ValueError: a bad TLS, token or recovery setting
         print(f"raypaged {command}: {e}", file=sys.stderr)
         return 2
     try:
@@ -181,7 +187,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
                          model_name=model_name, shutdown_grace_s=args.shutdown_grace,
                          max_message_bytes=security.max_message_bytes, tls=security.tls,
                          auth_token=security.auth_token, tenants=security.api_keys,
-                         overload=OverloadPolicy.from_config(config)),
+                         overload=OverloadPolicy.from_config(config), restart_policy=args.restart_policy),
             owns_engine=True,
             engine_factory=((lambda: AsyncEngineClient.start(config))
                             if args.engine_restart and args.data_parallel_size == 1 else None))

@@ -26,7 +26,7 @@ from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
 from raypaged.core.parallel_sampling import end_records
-from raypaged.core.request import FinishReason, Request, RequestStatus
+from raypaged.core.request import ENGINE_FAILED, FinishReason, Request, RequestStatus
 from raypaged.executor.base import Executor
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
@@ -331,7 +331,7 @@ class EngineCore:
                 if self.scheduler.requests else []
         outputs = EngineCoreOutputs()
         for out in failed:
-            out.error = self.dead
+            out.error, out.stop_reason = self.dead, ENGINE_FAILED
             outputs.append(out)
         return outputs
 

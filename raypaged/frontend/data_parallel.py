@@ -32,6 +32,7 @@ from raypaged.core.request import Request
 from raypaged.core.sample_ids import parse_sample_id
 from raypaged.core.scheduler import SchedulerStats
 from raypaged.engine.client import AsyncEngineClient
+from raypaged.engine.interface import EngineClient
 from raypaged.frontend.prefix_router import NoReplicaError, PrefixRouter
 from raypaged.frontend.router_metrics import RouterMetrics, merge_stats
 from raypaged.frontend.supervisor import EngineSupervisor, RestartPolicy
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 ReplicaFactory = Callable[[], Awaitable[AsyncEngineClient]]
 
 
-class DataParallelEngineClient:
+class DataParallelEngineClient(EngineClient):
     def __init__(self, replicas: list[AsyncEngineClient], policy: str = "prefix",
                  factory: ReplicaFactory | None = None,
                  restart_policy: RestartPolicy | None = None) -> None:
@@ -57,7 +58,7 @@ class DataParallelEngineClient:
             raise ValueError("data parallelism routes by the engines' block hashes: they must be "
                              f"sha256 (the same in every process), not {algo!r}")
         self._hasher = block_hasher(algo)
-        self.model_info = {**info, "data_parallel_size": len(replicas)}
+        self._model_info = {**info, "data_parallel_size": len(replicas)}
         self.replicas = replicas
         self.router = PrefixRouter(len(replicas), policy)
         self.metrics: RouterMetrics | None = None
@@ -86,6 +87,10 @@ class DataParallelEngineClient:
         return cls(replicas, policy, factory if restart else None)
 
     # ---- what GenerationService reads -------------------------------------------------------------
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return self._model_info
+
     @property
     def load(self) -> EngineLoad | None:
         """The live replicas' loads together (the front door sheds against the whole)."""

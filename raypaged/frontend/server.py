@@ -7,8 +7,8 @@ cancelled (and so aborted in the engine), and the engine goes last.
 
 A dead engine (its actor died, or it gave up on its workers): health NOT_SERVING at once, and
 with an engine factory the supervisor (frontend/supervisor.py) brings a new one and health goes
-back to SERVING. Optional TLS (frontend/tls.py) and bearer token or API keys (frontend/auth.py,
-frontend/tenants.py).
+back to SERVING; the streams in flight go on on it (frontend/replay.py). Optional TLS
+(frontend/tls.py) and bearer token or API keys (frontend/auth.py, frontend/tenants.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from raypaged.engine.client import AsyncEngineClient
+from raypaged.engine.interface import EngineClient
 from raypaged.frontend.auth import BearerTokenInterceptor
-from raypaged.frontend.data_parallel import EngineHandle
+from raypaged.frontend.data_parallel import DataParallelEngineClient, EngineHandle
 from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import MalformedRequestInterceptor
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.metrics_http import MetricsHTTPServer
+from raypaged.frontend.replay import ReplayingEngine
 from raypaged.frontend.service import GenerationService
 from raypaged.frontend.servicer import RaypagedServicer
 from raypaged.frontend.supervisor import EngineFactory, EngineSupervisor, RestartPolicy
@@ -73,8 +75,14 @@ class FrontendServer:
         self.config = config
         self.owns_engine = owns_engine
         info = engine.model_info
-        service = GenerationService(engine, tokenizer, model_name=config.model_name, limits=config.limits,
-                                    overload=config.overload)
+        # The service streams through the replaying engine: with a supervisor, a stream whose
+        # engine dies goes on on the next one.
+        # Data-parallel replicas carry their streams over to one another themselves.
+        self.replay = None if isinstance(engine, DataParallelEngineClient) else ReplayingEngine(
+            engine, config.restart_policy.recovery_timeout_s if engine_factory is not None else 0.0)
+        front: EngineClient = engine if self.replay is None else self.replay
+        service = GenerationService(front, tokenizer, model_name=config.model_name,
+                                    limits=config.limits, overload=config.overload)
         self.metrics = FrontendMetrics(service.model_name, info["max_model_len"])
         service.metrics = self.metrics
         self.service = service
@@ -146,18 +154,28 @@ class FrontendServer:
 
     async def _watch_engine(self) -> None:
         """Health NOT_SERVING the moment the engine is gone; then, with a supervisor, a new
-        engine and SERVING again. (Requests meanwhile get UNAVAILABLE from the service.)"""
+        engine and SERVING again. (Streams and new requests meanwhile wait for it, within the
+        restart policy's recovery_timeout_s.)"""
         while True:
             reason = await self.engine.wait_dead()
             logger.error("%s: health is NOT_SERVING", reason)
+            dead = self.engine
+            if not isinstance(dead, AsyncEngineClient) or self.replay is None:
+                # Data-parallel replicas are replaced one by one by their own client: here
+                # every one of them is gone for good.
+                await self._set_health(NOT_SERVING)
+                return
+            self.replay.lost(dead)
             await self._set_health(NOT_SERVING)
-            if self.supervisor is None or not isinstance(self.engine, AsyncEngineClient):
-                return  # data-parallel replicas are replaced one by one by their own client
-            engine = await self.supervisor.replace(self.engine)
+            if self.supervisor is None:
+                self.replay.give_up()
+                return
+            engine = await self.supervisor.replace(dead)
             if engine is None:
+                self.replay.give_up()
                 return
             self.engine = engine
-            self.service.engine = engine
+            self.replay.swap(engine)
             await self._poll_engine_once()
             await self._set_health(SERVING)
             logger.info("engine replaced: health is SERVING")

@@ -21,7 +21,7 @@ from raypaged.core.errors import (
     UnknownRequestError,
 )
 from raypaged.core.sample_ids import sample_id
-from raypaged.frontend.data_parallel import EngineHandle
+from raypaged.engine.interface import EngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
 from raypaged.frontend.load_shedding import LoadShedder, OverloadPolicy, ShedError
 from raypaged.frontend.metrics import FrontendMetrics
@@ -36,7 +36,7 @@ T = TypeVar("T")
 
 
 class GenerationService:
-    def __init__(self, engine: EngineHandle, tokenizer: Any, *, model_name: str | None = None,
+    def __init__(self, engine: EngineClient, tokenizer: Any, *, model_name: str | None = None,
                  limits: RequestLimits = RequestLimits(),  # noqa: B008 (frozen: one shared instance is safe)
                  metrics: FrontendMetrics | None = None, overload: OverloadPolicy | None = None) -> None:
         """overload: when to shed new requests and the default request timeout (None: never

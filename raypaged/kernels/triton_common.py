@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from raypaged import envs
 
 LOG2_E = 1.4426950408889634
 
@@ -51,9 +52,9 @@ def _tanh_libdevice(x):
     return libdevice.tanh(x)
 
 
-# Triton decides at decoration time whether kernels are interpreted (TRITON_INTERPRET, read when
-# the kernel modules import this one); the interpreter has no libdevice.
-tanh = _tanh_from_sigmoid if os.environ.get("TRITON_INTERPRET", "0") == "1" else _tanh_libdevice
+# Triton decides when a kernel module is imported whether its kernels are interpreted, from the
+# same variable; the interpreter has no libdevice.
+tanh = _tanh_from_sigmoid if envs.TRITON_INTERPRET else _tanh_libdevice
 
 
 def softcap_scales(scale: float, softcap: float | None) -> tuple[float, float]:

@@ -14,6 +14,7 @@ from raypaged.model.quantization.numerics import (
     quantize_activation,
     quantize_weight,
     to_fp8,
+    weight_only_matmul_reference,
 )
 
 # e4m3 keeps 3 mantissa bits: a normal value rounds to within half a step, 2^-4 of itself.
@@ -140,30 +141,32 @@ def test_scaled_mm_matches_the_reference(rows, activation):
 
 
 @pytest.mark.parametrize("rows, overrides", [(1, {}), (5, {"split_k": 2, "block_k": 32}), (16, {"block_n": 32})])
-def test_skinny_fp8_gemm_computes_the_scaled_product(rows, overrides):
-    """kernels/gemv.py's FP8 variant (interpreter here; the GPU suite runs it too) against the
-    reference on the same e4m3 operands: fp32 sums of exact products, scaled, bias added."""
-    from raypaged.kernels.gemv import default_config, gemv_fp8
+def test_skinny_fp8_gemm_computes_the_weight_only_product(rows, overrides):
+    """kernels/gemv_fp8.py (interpreter here; the GPU suite runs it too) against the reference:
+    the rows unquantized, the e4m3 weight widened, fp32 sums scaled per feature, bias added."""
+    from raypaged.kernels.gemv import default_config
+    from raypaged.kernels.gemv_fp8 import gemv_w8a16
 
     g = torch.Generator().manual_seed(rows)
     w, x, b = torch.randn(80, 96, generator=g), torch.randn(rows, 96, generator=g), torch.randn(80, generator=g)
     method, wq = _fp8_layer(w)
-    xq, sx = method.quantize_input(x)
     config = {**default_config(80, 96, element_size=1, rows=rows), **overrides}
-    out = gemv_fp8(xq, sx, wq, method.weight_scale, b, torch.float32, config)
-    expected = method.matmul(x, wq, b)
+    out = gemv_w8a16(x, wq, method.weight_scale, b, config)
+    expected = weight_only_matmul_reference(x, wq, method.weight_scale) + b
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Not the W8A8 product: the rows were not quantized.
+    assert not torch.allclose(out, method.matmul(x, wq, b), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_linear_takes_the_skinny_gemm_on_the_triton_backend(monkeypatch):
-    from raypaged.kernels import gemv, ops
+    from raypaged.kernels import gemv_fp8, ops
 
     w, x = torch.randn(64, 64), torch.randn(3, 64)
     method, wq = _fp8_layer(w)
-    reference = method.matmul(x, wq, None)
+    reference = weight_only_matmul_reference(x, wq, method.weight_scale)
     calls = []
-    real = gemv.gemv_fp8
-    monkeypatch.setattr(gemv, "gemv_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gemv_fp8.gemv_w8a16
+    monkeypatch.setattr(gemv_fp8, "gemv_w8a16", lambda *a, **k: calls.append(1) or real(*a, **k))
     ops.set_backend("triton")
     try:
         out = method.matmul(x, wq, None)
@@ -175,18 +178,19 @@ def test_fp8_linear_takes_the_skinny_gemm_on_the_triton_backend(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_skinny_fp8_gemm_on_the_gpu_matches_the_reference(rows):
-    from raypaged.kernels.gemv import gemv_fp8, launch_config
+    from raypaged.kernels.gemv_fp8 import gemv_w8a16, w8a16_config
 
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(4096, 4096, generator=g), torch.randn(rows, 4096, generator=g)
     method, wq = _fp8_layer(w)
-    xq, sx = method.quantize_input(x)
-    ref = method.matmul(x, wq, None)
-    xq, sx, wq_cuda = xq.cuda(), sx.cuda(), wq.cuda()
-    config = launch_config(xq, wq_cuda)
+    x16 = x.to(torch.bfloat16)
+    ref = weight_only_matmul_reference(x16, wq, method.weight_scale)  # the bf16 rows, exactly
+    x_cuda, wq_cuda = x16.cuda(), wq.cuda()
+    config = w8a16_config(x_cuda, wq_cuda)
     assert config is not None  # up to 16 rows take the kernel by default
-    out = gemv_fp8(xq, sx, wq_cuda, method.weight_scale.cuda(), None, torch.bfloat16, config)
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().mean()))
+    out = gemv_w8a16(x_cuda, wq_cuda, method.weight_scale.cuda(), None, config)
+    # fp32 sums of exact products: only the bf16 output's rounding (and the summation order).
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().mean()))
 
 
 @pytest.mark.gpu
