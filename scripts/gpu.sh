@@ -45,6 +45,11 @@
 #   serving-multitenant  8 tenants' system prompts, two data-parallel engines sharing the GPU (0.45 of
 #                its memory each): prefix router vs p2c vs round robin vs one engine with both pools [Ray]
 #                -> serving_8b-multitenant_h200.json, .png, ~9
+#   serving-host-tier  the same chat trace on a pool (7,500 blocks, 15 GiB) a few times smaller than
+#                its reusable KV: prefix caching alone vs with a 48 GiB host tier [Ray]
+#                -> serving_8b-host-tier_h200.json, .png (not yet run)
+#   serving-swap the same, overloaded (rates 4, 8): host tier with recompute vs swap preemption
+#                [Ray] -> serving_8b-swap_h200.json, .png (not yet run)
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
@@ -176,6 +181,17 @@ suite() {
             --user-turn-mean 100 --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 \
             --num-kv-blocks 6000 --stop-ttft-s 10 --mode-budget-s 130 --warmup-rate-requests 8 --out "$OUT_DIR" \
             -- --max-model-len 8192 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 ;;
+        # The host tier (issue 25): at 128 KiB of KV a token, the ~60 conversations of a 15 s window
+        # reuse ~50 GiB, 3-4x the 7,500-block pool; the host tier holds the rest.
+        serving-host-tier|serving-swap)
+            local modes=prefix-cache,host-tier rates=2,4 name=8b-host-tier_h200
+            [ "$1" = serving-swap ] && modes=host-tier,host-tier-swap rates=4,8 name=8b-swap_h200
+            use_ray && bench "$1" 560 python3 -m benchmarks.bench_serving --shape 8b \
+            --trace multiturn --modes "$modes" --rates "$rates" --arrival-window-s 15 --system-prompt-len 500 \
+            --user-turn-mean 100 --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 \
+            --num-kv-blocks 7500 --kv-offload-size 48 --stop-ttft-s 10 --mode-budget-s 250 \
+            --warmup-rate-requests 20 --name "$name" --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;
         sampler) bench sampler 120 python3 -m benchmarks.bench_sampler --out "$OUT_DIR" ;;

@@ -185,6 +185,28 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
+def pinned_copy_bandwidth(nbytes: int = 2**28, repeats: int = 10) -> dict[str, float]:
+    """Host-device copy bandwidth through pinned memory on this process's CUDA device, GB/s each
+    way (median of CUDA-event timings): the ceiling of the host tier's transfers."""
+    device = torch.device("cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for name, dst, src in (("host_to_device", gpu, host), ("device_to_host", host, gpu)):
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        result[name] = nbytes / sorted(times)[len(times) // 2] / 1e9
+    del host, gpu
+    torch.cuda.empty_cache()
+    return result
+
+
 def graph_time(fn: Callable[[int], object], variants: int, calls: int = 20, replays: int = 25) -> float:
     """Seconds per fn(i) call, as a server launches it: `calls` calls (cycling i over `variants`)
     captured in one CUDA graph, the median of `replays` replays."""

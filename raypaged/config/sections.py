@@ -14,6 +14,7 @@ from raypaged.core.block_hashing import HASH_ALGOS
 from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 
 KV_CACHE_MODES = ("paged", "contiguous")
+PREEMPTION_MODES = ("recompute", "swap")
 # The paged-attention kernels are compiled for these block sizes (the scheduler takes any).
 BLOCK_SIZES = (8, 16, 32)
 # What a Ray worker reserves unless ray_cpus_per_worker says: a GPU worker's host thread needs
@@ -127,10 +128,25 @@ class CacheSettings:
     kv_cache_mode: str = setting(
         "paged", "paged: blocks on demand; contiguous: each request reserves max_model_len slots "
                  "up front", choices=KV_CACHE_MODES)
+    kv_offload_size: float = setting(
+        0.0, "GiB of host memory per rank for a second tier of KV blocks behind the GPU pool: "
+             "evicted prefix-cache blocks are copied there and come back on a prefix hit (default: "
+             "0, no host tier)", flags=("--kv-offload-size", "--cpu-offload-gb"))
+    preemption_mode: str = setting(
+        "recompute", "recompute: a preempted request computes its KV again; swap: its blocks go "
+                     "to the host tier (needs --kv-offload-size) and come back on resumption",
+        choices=PREEMPTION_MODES)
 
     def validate(self) -> None:
         check_choices(self)
-        check([(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")])
+        check([
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.kv_offload_size >= 0, "kv_offload_size must be >= 0"),
+            (self.preemption_mode != "swap" or self.kv_offload_size > 0,
+             "preemption_mode swap needs a host tier: set kv_offload_size"),
+            (not self.kv_offload_size or self.kv_cache_mode == "paged",
+             "kv_offload_size needs kv_cache_mode paged"),
+        ])
 
 
 @dataclass(frozen=True)

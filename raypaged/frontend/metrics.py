@@ -80,6 +80,16 @@ class FrontendMetrics:
         self.prefix_cache_hits = make(
             Counter, "prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.")
+        # The host tier of KV blocks (--kv-offload-size); zero without one.
+        self.host_cache_hits = make(
+            Counter, "host_cache_hits",
+            "Of the prefix cache hits, tokens found in the host tier (the rest: in GPU memory).")
+        self.kv_offloaded_bytes = make(
+            Counter, "kv_offloaded_bytes", "KV bytes copied from GPU to host memory, all ranks.")
+        self.kv_loaded_bytes = make(
+            Counter, "kv_loaded_bytes", "KV bytes copied from host to GPU memory, all ranks.")
+        self.kv_host_free_blocks = make(
+            Gauge, "kv_host_free_blocks", "Host-tier KV blocks that hold nothing.")
         self.num_preemptions = make(
             Counter, "num_preemptions",
             "Cumulative number of preemption from the engine.")
@@ -180,6 +190,10 @@ class FrontendMetrics:
                                self.prefix_cache_queries)
         self._add_engine_total("prefix_cache_hits", kv.prefix_cache_hits, self.prefix_cache_hits)
         self._add_engine_total("num_preemptions", stats.num_preemptions, self.num_preemptions)
+        self._add_engine_total("host_cache_hits", kv.host_cache_hits, self.host_cache_hits)
+        self._add_engine_total("kv_offloaded_bytes", kv.offloaded_bytes, self.kv_offloaded_bytes)
+        self._add_engine_total("kv_loaded_bytes", kv.loaded_bytes, self.kv_loaded_bytes)
+        self.kv_host_free_blocks.set(kv.num_host_free_blocks)
 
     def _add_engine_total(self, name: str, total: int, counter) -> None:
         """The engine keeps running totals; the counter gets what was added since the last poll
