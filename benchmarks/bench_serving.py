@@ -15,6 +15,13 @@ its output length and ignore_eos, so every request generates exactly that. Reque
 --max-total-len are dropped, as vLLM's benchmark drops ShareGPT's past 2,048 (scripts/gpu.sh
 serving does the same; the CPU default, 512, keeps its tails short).
 
+--trace multitenant: the chat trace over --system-prompts tenants' prompts (default 4), against
+two data-parallel replicas (`--data-parallel-size 2`) in modes prefix, p2c and round-robin (the
+`--routing-policy`), and one-engine: one replica with the pool of both (the hit rate the router
+should come near). Per mode, from the server's per-replica metrics, each replica's share of the
+requests and prefix-hit rate. On one GPU the two engines share the card (`--gpu-memory-utilization
+0.45` each, after `--`).
+
 --trace multiturn: modes prefix-cache and no-prefix-cache (`--no-enable-prefix-caching`), both
 paged; `--modes prefix-cache,host-tier` compares the prefix cache without and with a host tier
 of KV blocks behind the pool (`--kv-offload-size`; host-tier-swap adds swap preemption), at a pool
@@ -78,6 +85,7 @@ from benchmarks.serving_report import (
     print_rate,
     print_table,
     rate_unit,
+    replica_summary,
     save_plot,
     should_stop,
     summarize_rate,
@@ -86,10 +94,11 @@ from benchmarks.soak import LaunchedServer, scrape
 from raypaged.client import Client
 from raypaged.frontend.server import ServerConfig
 
-# Each trace's modes (the first two run by default), and the flags that make a server of each
-# (after the user's, so they win). The host-tier modes also get --kv-offload-size.
+# Each trace's modes (the first two run by default; multitenant: all four), and the flags that make
+# a server of each (after the user's, so they win). The host-tier modes also get --kv-offload-size.
 TRACE_MODES = {"sharegpt": ("paged", "contiguous"),
-               "multiturn": ("prefix-cache", "no-prefix-cache", "host-tier", "host-tier-swap")}
+               "multiturn": ("prefix-cache", "no-prefix-cache", "host-tier", "host-tier-swap"),
+               "multitenant": ("prefix", "p2c", "round-robin", "one-engine")}
 MODE_FLAGS = {
     "paged": ["--kv-cache-mode", "paged"],
     "contiguous": ["--kv-cache-mode", "contiguous"],
@@ -97,7 +106,13 @@ MODE_FLAGS = {
     "no-prefix-cache": ["--kv-cache-mode", "paged", "--no-enable-prefix-caching"],
     "host-tier": ["--kv-cache-mode", "paged", "--enable-prefix-caching", "--preemption-mode", "recompute"],
     "host-tier-swap": ["--kv-cache-mode", "paged", "--enable-prefix-caching", "--preemption-mode", "swap"],
+    "prefix": ["--data-parallel-size", "2", "--routing-policy", "prefix"],
+    "p2c": ["--data-parallel-size", "2", "--routing-policy", "p2c"],
+    "round-robin": ["--data-parallel-size", "2", "--routing-policy", "round_robin"],
+    "one-engine": ["--data-parallel-size", "1"],
 }
+# Replicas of a mode: one-engine gets the pool of all of them (its block count times this).
+MODE_REPLICAS = {"prefix": 2, "p2c": 2, "round-robin": 2}
 HOST_TIER_CPU_GIB = 0.25
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
 # 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too. The chat
@@ -105,7 +120,7 @@ HOST_TIER_CPU_GIB = 0.25
 # conversations' histories stay cached.
 CPU_NUM_KV_BLOCKS = 256
 # On the demo model on 2 cores the chat trace's default shape saturates the CPU at ~1 conversation a second.
-DEFAULT_RATES = {"sharegpt": "1,2,4,8,16,32", "multiturn": "0.5,1,2"}
+DEFAULT_RATES = {"sharegpt": "1,2,4,8,16,32", "multiturn": "0.5,1,2", "multitenant": "1"}
 SHAREGPT_CPU_MAX_TOTAL_LEN = 512
 
 
@@ -127,7 +142,7 @@ def make_load(args: argparse.Namespace, info, seed: int, warm_up_count: int = 0)
     window_s = warm_up_count / min(args.rates) if warm_up_count else args.arrival_window_s
     count = max(conversations_at(rate, window_s) for rate in args.rates)
     return ChatLoad(plan_conversations(count, args.chat_shape, cap, seed), args.chat_shape, cap,
-                    info.vocab_size, seed, window_s)
+                    info.vocab_size, seed, window_s, args.system_prompts)
 
 
 # ---- KV memory from the server's metrics --------------------------------------------------------
@@ -182,6 +197,7 @@ def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argpar
     preemptions = "raypaged_num_preemptions_total"
     result["preemptions"] = after.get(preemptions, 0) - before.get(preemptions, 0)
     result["prefix_cache"] = prefix_cache_summary(before, after, ran.timings)
+    result["replicas"] = replica_summary(before, after)
     result["host_tier"] = host_tier_summary(before, after, ran.wall_s)
     result["kv"] = kv_summary(samples, info.block_size)
     result["kv_samples"] = samples
@@ -205,7 +221,9 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
     if mode.startswith("host-tier"):
         flags += ["--kv-offload-size", str(args.kv_offload_size)]
     if num_blocks:
-        flags += ["--num-gpu-blocks-override", str(num_blocks)]
+        # The pool of every replica together: one engine with it all, or an equal share each.
+        total = num_blocks * (1 if mode in MODE_REPLICAS else 2 if args.trace == "multitenant" else 1)
+        flags += ["--num-gpu-blocks-override", str(total)]
     started = time.perf_counter()
     server = LaunchedServer(flags)
     try:
@@ -313,6 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "them); a few conversations long, so the load reaches its level")
     chat.add_argument("--system-prompt-len", type=int, default=128,
                       help="tokens of the system prompt every conversation shares")
+    chat.add_argument("--system-prompts", type=int, default=None,
+                      help="tenants' system prompts, conversation i uses prompt i mod this "
+                           "(default 1; --trace multitenant 4)")
     chat.add_argument("--user-turn-mean", type=float, default=24.0,
                       help="mean tokens of a user message (lognormal)")
     chat.add_argument("--reply-mean", type=float, default=32.0,
@@ -355,10 +376,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.rates or min(args.rates) <= 0:
         parser.error("--rates: positive numbers")
     modes = TRACE_MODES[args.trace]
-    args.modes = [m for m in args.modes.split(",") if m] if args.modes else list(modes[:2])
+    default_modes = modes if args.trace == "multitenant" else modes[:2]
+    args.modes = [m for m in args.modes.split(",") if m] if args.modes else list(default_modes)
     if not args.modes or any(m not in modes for m in args.modes):
         parser.error(f"--modes with --trace {args.trace}: a comma list of {', '.join(modes)}")
     args.launch_args = [a for a in args.launch_args if a != "--"]
+    if args.system_prompts is None:
+        args.system_prompts = 4 if args.trace == "multitenant" else 1
     if args.max_total_len is None and args.trace == "sharegpt":
         args.max_total_len = SHAREGPT_CPU_MAX_TOTAL_LEN
     args.max_total_len = args.max_total_len or None
@@ -366,7 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         low, high = (int(t) for t in args.turns.split(","))
         args.chat_shape = ChatShape(args.system_prompt_len, args.user_turn_mean, args.reply_mean,
                                     low, high, args.think_time_s)
-        if args.trace == "multiturn":  # against max_model_len too, once the server says it
+        if args.trace != "sharegpt":  # against max_model_len too, once the server says it
             args.chat_shape.validate(args.max_total_len or args.system_prompt_len + 2)
     except ValueError as e:
         parser.error(f"--trace multiturn: {e}")
@@ -380,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_blocks = CPU_NUM_KV_BLOCKS if args.trace == "sharegpt" else None
     num_blocks = args.num_kv_blocks or (None if on_cuda else cpu_blocks)
     model = args.shape or "demo"
-    name = args.name or f"{model}{'-multiturn' if args.trace == 'multiturn' else ''}_{device_tag()}"
+    suffix = f"-{args.trace}" if args.trace != "sharegpt" else ""
+    name = args.name or f"{model}{suffix}_{device_tag()}"
     record: dict = {"env": environment(), "load_average_1_5_15min_at_start": os.getloadavg(),
                     "model": model, "trace": args.trace,
                     "args": {k: v for k, v in vars(args).items() if k != "chat_shape"},
@@ -398,7 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         launch_args = model_launch_args(args, Path(tmp)) + args.launch_args
         for mode in args.modes:
             run_mode(mode, launch_args, num_blocks, args, record, save)
-            num_blocks = record[mode]["num_kv_blocks"]  # the next mode gets exactly this pool
+            # The next mode gets exactly this pool (per replica: info reports replica 0's).
+            num_blocks = record[mode]["num_kv_blocks"]
+            if args.trace == "multitenant" and mode not in MODE_REPLICAS:
+                num_blocks //= 2
     path = save()
     print_table(record, args.modes, args.slo_ttft_s)
     print_host_tier(record, args.modes)

@@ -42,6 +42,9 @@
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
 #   serving-multiturn  multi-turn chat (shared system prompt, whole history resent), prefix caching
 #                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~6
+#   serving-multitenant  8 tenants' system prompts, two data-parallel engines sharing the GPU (0.45 of
+#                its memory each): prefix router vs p2c vs round robin vs one engine with both pools [Ray]
+#                -> serving_8b-multitenant_h200.json, .png, ~9
 #   serving-host-tier  the same chat trace on a pool (7,500 blocks, 15 GiB) a few times smaller than
 #                its reusable KV: prefix caching alone vs with a 48 GiB host tier [Ray]
 #                -> serving_8b-host-tier_h200.json, .png (not yet run)
@@ -63,7 +66,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 prefill throughput reservation serving
-         serving-multiturn channel staging sampler structured)
+         serving-multiturn serving-multitenant channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -171,6 +174,13 @@ suite() {
             --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 --stop-ttft-s 10 \
             --mode-budget-s 200 --warmup-rate-requests 20 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
+        # 6,000 blocks a replica (96k tokens): the conversations' ~240k tokens of reusable KV
+        # overflow one replica's pool, so where a history lands decides whether it is still cached.
+        serving-multitenant) use_ray && bench serving-multitenant 560 python3 -m benchmarks.bench_serving --shape 8b \
+            --trace multitenant --rates 4 --arrival-window-s 15 --system-prompts 8 --system-prompt-len 1000 \
+            --user-turn-mean 100 --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 \
+            --num-kv-blocks 6000 --stop-ttft-s 10 --mode-budget-s 130 --warmup-rate-requests 8 --out "$OUT_DIR" \
+            -- --max-model-len 8192 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 ;;
         # The host tier (issue 25): at 128 KiB of KV a token, the ~60 conversations of a 15 s window
         # reuse ~50 GiB, 3-4x the 7,500-block pool; the host tier holds the rest.
         serving-host-tier|serving-swap)

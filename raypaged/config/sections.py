@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from raypaged.config.base import ConfigError, check, check_choices, parse_bytes, setting
+from raypaged.core.block_hashing import HASH_ALGOS
 from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 
 KV_CACHE_MODES = ("paged", "contiguous")
@@ -67,6 +68,10 @@ class SchedulerSettings:
               f"max_model_len)")
     enable_prefix_caching: bool = setting(SchedulerConfig.enable_prefix_caching,
                                           "share the KV blocks of common prompt prefixes")
+    prefix_caching_hash_algo: str = setting(
+        SchedulerConfig.prefix_caching_hash_algo,
+        "the prefix cache's block hash: sha256 (the same in every process, which data "
+        "parallelism's router needs) or builtin (Python's hash, per process)", choices=HASH_ALGOS)
     enable_chunked_prefill: bool = setting(SchedulerConfig.enable_chunked_prefill,
                                            "split long prompts over steps, beside the decodes")
     scheduling_policy: str = setting(SchedulerConfig.policy,
@@ -103,6 +108,7 @@ class SchedulerSettings:
             num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.token_budget(max_model_len), max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
             max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling)
 

@@ -149,6 +149,15 @@ class KVCacheManagerInterface(ABC):
     def usage(self) -> float:
         """Fraction of the pool's blocks held by requests."""
 
+    # ---- cache events (a data-parallel router's view of this pool) ------------------------------
+    def record_cache_events(self) -> None:  # noqa: B027 - a manager without a prefix cache keeps none
+        """Start keeping the hash values that enter and leave the prefix cache (a manager with no
+        prefix cache has none to keep)."""
+
+    def take_cache_events(self) -> list[int]:
+        """The cache events since the last call (core/block_pool.py stored_event / removed_event)."""
+        return []
+
 
 class PagedKVCacheManagerBase(KVCacheManagerInterface):
     """What the paged managers (one table per request, or one per KV-cache group) share: their
@@ -169,6 +178,12 @@ class PagedKVCacheManagerBase(KVCacheManagerInterface):
         list, so the workers may apply them in one batched gather-scatter, before the forward."""
         copies, self._copies = self._copies, []
         return copies
+
+    def record_cache_events(self) -> None:
+        self.block_pool.record_events()
+
+    def take_cache_events(self) -> list[int]:
+        return self.block_pool.take_events()
 
     @property
     def num_free_blocks(self) -> int:

@@ -185,6 +185,10 @@ class EngineCoreOutputs:
     records: dict[int, EngineCoreOutput] = field(default_factory=dict)
     # Set by the engine actor on each batch it hands out (engine/actor.py: get_outputs).
     load: EngineLoad | None = None
+    # The prefix cache's events over these steps, in order (core/block_pool.py stored_event /
+    # removed_event): a data-parallel frontend's router learns each engine's cached prefixes
+    # from them (frontend/prefix_router.py).
+    cache_events: list[int] = field(default_factory=list)
 
     def append(self, output: EngineCoreOutput) -> None:
         """Add a whole record (any kind)."""
@@ -199,6 +203,8 @@ class EngineCoreOutputs:
         self.new_token_ids += other.new_token_ids
         if other.records:
             self.records.update({offset + i: output for i, output in other.records.items()})
+        if other.cache_events:
+            self.cache_events += other.cache_events
 
     def whole_records(self) -> Iterator[EngineCoreOutput]:
         """The records kept whole: every first, last, sample and error record among them."""

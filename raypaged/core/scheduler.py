@@ -95,7 +95,7 @@ class Scheduler:
         self.config = config
         if kv_cache_manager is None:
             kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
-                                              config.enable_prefix_caching)
+                                              config.enable_prefix_caching, config.prefix_caching_hash_algo)
         elif kv_cache_manager.block_size != config.block_size:
             raise ValueError(f"the KV cache manager's block_size ({kv_cache_manager.block_size}) "
                              f"differs from the config's ({config.block_size})")

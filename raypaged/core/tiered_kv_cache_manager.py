@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable
 from itertools import islice
 
+from raypaged.core.block_hashing import DEFAULT_HASH_ALGO
 from raypaged.core.block_pool import BlockPool
 from raypaged.core.host_block_pool import HostBlockPool
 from raypaged.core.kv_cache_interface import KVCacheStats
@@ -57,9 +58,10 @@ class _OffloadingBlockPool(BlockPool):
 
 class TieredKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
-                 num_host_blocks: int, swap_preemption: bool = False, block_bytes: int = 0) -> None:
+                 num_host_blocks: int, swap_preemption: bool = False, block_bytes: int = 0,
+                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         """block_bytes: the bytes one block holds over every rank (what a transfer moves)."""
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, hash_algo)
         self.block_pool = _OffloadingBlockPool(num_blocks, enable_prefix_caching, self._reusing)
         self._ref_cnt = self.block_pool.ref_cnt
         self.host_pool = HostBlockPool(num_host_blocks)

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -62,16 +62,21 @@ class AsyncEngineClient(EngineClient):
         # The engine's load as of the last batch pulled (None until the first): the front
         # door's shedding reads it (frontend/load_shedding.py).
         self._load: EngineLoad | None = None
+        # Called with each pulled batch's prefix-cache events and load (a data-parallel router's
+        # feed, frontend/data_parallel.py); None: nobody listens.
+        self.on_batch: Callable[[list[int], EngineLoad | None], None] | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
+    async def start(cls, config: EngineConfig, actor_name: str | None = None,
+                    gpu_share: float = 1.0) -> AsyncEngineClient:
         """Create the engine actor (it takes a GPU itself only when it runs the model in
-        process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready."""
+        process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready.
+        gpu_share: the part of that GPU it reserves (data-parallel engines sharing a card)."""
         gpus: float = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]  # unannotated in Ray
         in_process_gpu = (not config.parallel.uses_ray_workers and config.model_settings.device != "cpu"
                           and gpus >= 1)
         options: dict[str, Any] = dict(max_concurrency=32, num_cpus=0 if not in_process_gpu else 1,
-                       num_gpus=1 if in_process_gpu else 0)
+                       num_gpus=gpu_share if in_process_gpu else 0)
         if actor_name:
             options.update(name=actor_name, get_if_exists=False)
         # Ray types what .remote() makes as ActorProxy, a handle or the class itself.
@@ -181,6 +186,8 @@ class AsyncEngineClient(EngineClient):
                 return
             if outputs.load is not None:
                 self._load = outputs.load
+            if self.on_batch is not None:
+                self.on_batch(outputs.cache_events, outputs.load)
             for out in outputs:
                 stream = self._streams.get(out.group_id)
                 if stream is not None:  # else: a request that ended here already
@@ -195,6 +202,11 @@ class AsyncEngineClient(EngineClient):
         self._gone.set()
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(message))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's scheduler stats (engine/actor.py EngineActor.stats)."""
+        stats: dict[str, Any] = await self.actor.stats.remote()
+        return stats
 
     @property
     def model_info(self) -> dict[str, Any]:

@@ -195,6 +195,15 @@ class EngineCore:
         compiling = self._structured is not None and self._structured.num_compiling > 0
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or compiling
 
+    def record_cache_events(self) -> None:
+        """Keep the prefix cache's events for take_cache_events (the engine actor does, every step)."""
+        with self._lock:
+            self.scheduler.kv_cache_manager.record_cache_events()
+
+    def take_cache_events(self) -> list[int]:
+        with self._lock:
+            return self.scheduler.kv_cache_manager.take_cache_events()
+
     def step(self) -> EngineCoreOutputs:
         """One engine step: schedule, execute, update; the workers answer the step in this call.
         Returns its records, after the abort records since the last step. Under asynchronous
@@ -353,7 +362,8 @@ class EngineCore:
         return TieredKVCacheManager(
             self.num_blocks, settings.block_size, settings.enable_prefix_caching,
             num_host_blocks=num_host_blocks, swap_preemption=cache.preemption_mode == "swap",
-            block_bytes=sum(self.executor.collective_rpc("bytes_per_block")))
+            block_bytes=sum(self.executor.collective_rpc("bytes_per_block")),
+            hash_algo=settings.prefix_caching_hash_algo)
 
     def _contiguous_manager(self) -> ContiguousKVCacheManager:
         """The reservation baseline (kv_cache_mode "contiguous"). A pool smaller than one

@@ -24,7 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from raypaged.engine.client import AsyncEngineClient
+from raypaged.engine.interface import EngineClient
 from raypaged.frontend.auth import BearerTokenInterceptor
+from raypaged.frontend.data_parallel import DataParallelEngineClient, EngineHandle
 from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import MalformedRequestInterceptor
 from raypaged.frontend.metrics import FrontendMetrics
@@ -63,7 +65,7 @@ class ServerConfig:
 
 
 class FrontendServer:
-    def __init__(self, engine: AsyncEngineClient, tokenizer: Any, config: ServerConfig | None = None,
+    def __init__(self, engine: EngineHandle, tokenizer: Any, config: ServerConfig | None = None,
                  owns_engine: bool = False, engine_factory: EngineFactory | None = None) -> None:
         """config: None for the defaults (a ServerConfig of this server's own: it is mutable).
         engine_factory: how to start a new engine when this one dies (None: stay NOT_SERVING)."""
@@ -75,9 +77,11 @@ class FrontendServer:
         info = engine.model_info
         # The service streams through the replaying engine: with a supervisor, a stream whose
         # engine dies goes on on the next one.
-        self.replay = ReplayingEngine(
+        # Data-parallel replicas carry their streams over to one another themselves.
+        self.replay = None if isinstance(engine, DataParallelEngineClient) else ReplayingEngine(
             engine, config.restart_policy.recovery_timeout_s if engine_factory is not None else 0.0)
-        service = GenerationService(self.replay, tokenizer, model_name=config.model_name,
+        front: EngineClient = engine if self.replay is None else self.replay
+        service = GenerationService(front, tokenizer, model_name=config.model_name,
                                     limits=config.limits, overload=config.overload)
         self.metrics = FrontendMetrics(service.model_name, info["max_model_len"])
         service.metrics = self.metrics
@@ -156,12 +160,18 @@ class FrontendServer:
         while True:
             reason = await self.engine.wait_dead()
             logger.error("%s: health is NOT_SERVING", reason)
-            self.replay.lost(self.engine)
+            dead = self.engine
+            if not isinstance(dead, AsyncEngineClient) or self.replay is None:
+                # Data-parallel replicas are replaced one by one by their own client: here
+                # every one of them is gone for good.
+                await self._set_health(NOT_SERVING)
+                return
+            self.replay.lost(dead)
             await self._set_health(NOT_SERVING)
             if self.supervisor is None:
                 self.replay.give_up()
                 return
-            engine = await self.supervisor.replace(self.engine)
+            engine = await self.supervisor.replace(dead)
             if engine is None:
                 self.replay.give_up()
                 return
@@ -173,7 +183,7 @@ class FrontendServer:
 
     async def _poll_engine_once(self) -> None:
         try:
-            stats = await self.engine.actor.stats.remote()
+            stats = await self.engine.stats()
             self.metrics.record_engine_stats(stats["scheduler"])
         except Exception:  # the pump notices a dead engine; here a missed poll is all
             logger.debug("engine stats poll failed", exc_info=True)

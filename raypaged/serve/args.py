@@ -13,6 +13,7 @@ from typing import Any
 
 from raypaged.config import SERVING_MAX_WAITING_REQUESTS, ConfigError, EngineConfig
 from raypaged.frontend.keys_file import KeysFileError, load_keys_file
+from raypaged.frontend.prefix_router import ROUTING_POLICIES
 from raypaged.frontend.tenants import TenantRegistry
 from raypaged.frontend.validation import RequestLimits
 from raypaged.text.chat_parsing import ChatParsing
@@ -51,6 +52,8 @@ class ServeAppArgs:
     # Requests one replica accepts at once before Serve queues them at the proxy; must exceed
     # the autoscaling target or the target can never be reached.
     max_ongoing_requests: int = 256
+    # With several replicas: how Serve's router picks one (frontend/prefix_router.py policies).
+    routing_policy: str = "prefix"
     replica_num_cpus: float = 1.0  # the replica actor's own CPU (HTTP / gRPC handling)
     stats_interval_s: float = 1.0
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -112,6 +115,10 @@ class ServeAppArgs:
         checks = [
             (self.num_replicas is None or self.num_replicas >= 1, "num_replicas must be >= 1"),
             (self.max_ongoing_requests >= 1, "max_ongoing_requests must be >= 1"),
+            (self.routing_policy in ROUTING_POLICIES, f"routing_policy must be one of {ROUTING_POLICIES}"),
+            (self.engine.scheduler.prefix_caching_hash_algo == "sha256"
+             or (self.num_replicas == 1 and self.autoscaling is None),
+             "several replicas are routed by block hashes: prefix_caching_hash_algo must be sha256"),
             (self.replica_num_cpus >= 0, "replica_num_cpus must be >= 0"),
             (self.stats_interval_s > 0, "stats_interval_s must be > 0"),
             (self.served_model_name is None or (bool(self.served_model_names) and all(

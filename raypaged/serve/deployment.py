@@ -27,10 +27,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 from ray import serve
 
+from raypaged.core.outputs import EngineLoad
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import refuse_undecodable
 from raypaged.frontend.metrics import FrontendMetrics
+from raypaged.frontend.prefix_router import PrefixRouter
 from raypaged.frontend.service import GenerationService
 from raypaged.frontend.tenants import Tenant, unused_priorities_warning
 from raypaged.proto.v1 import raypaged_pb2 as pb
@@ -38,6 +40,7 @@ from raypaged.serve.args import ServeAppArgs
 from raypaged.serve.openai_api import Authorization, OpenAIFrontDoor, RequestTimeout, install_error_handlers
 from raypaged.serve.openai_errors import unauthenticated
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+from raypaged.serve.prefix_request_router import routing_value
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,9 @@ class RaypagedDeployment:
         config = args.engine
         self.args = args
         self.engine = await AsyncEngineClient.start(config)
+        # This replica's prefix cache as its engine reports it, for Serve's request router.
+        self._cache_view = PrefixRouter(1)
+        self.engine.on_batch = self._on_engine_batch
         info = self.engine.model_info
         tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
         names = args.served_model_names
@@ -157,11 +163,24 @@ class RaypagedDeployment:
         if not self.engine.is_alive:
             raise RuntimeError("the engine is gone")
 
+    def _on_engine_batch(self, events: list[int], load: EngineLoad | None) -> None:
+        self._cache_view.apply_events(0, events)
+        if load is not None:
+            self._cache_view.update_load(0, load)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's request router (serve/prefix_request_router.py) reads of this replica."""
+        state = self._cache_view.replicas[0]
+        load = state.load or EngineLoad(0, 0, 0.0)
+        return {"cached": [routing_value(v) for v in state.cached], "num_waiting": load.num_waiting,
+                "num_running": load.num_running, "kv_usage": load.kv_usage}
+
     async def engine_stats(self) -> dict[str, Any]:
         stats = await self.engine.actor.stats.remote()
         return {"replica": self.replica_id, "num_running": stats["num_running"],
                 "num_waiting": stats["num_waiting"], "num_blocks": stats["scheduler"].kv_cache.num_blocks,
                 "num_free_blocks": stats["scheduler"].kv_cache.num_free_blocks,
+                "prefix_cache_hits": stats["scheduler"].kv_cache.prefix_cache_hits,
                 "in_flight": self.service.num_in_flight}
 
     def metrics_text(self) -> str:

@@ -295,6 +295,23 @@ def test_grpc_through_serve_proxy(server, oracle):
         assert "empty" in raised.value.details()
 
 
+def test_grpc_requests_sharing_a_prefix_go_to_the_replica_holding_it(server):
+    """Serve's request router (serve/prefix_request_router.py) reads the GenerateRequest: once a
+    replica's routing stats report the prefix, the later requests with it all land there."""
+    stub, channel = grpc_stub(server)
+    shared = list(range(3, 3 + 48))  # three blocks of 16
+    before = {r["replica"]: r["prefix_cache_hits"] for r in replica_reports(idle_and_whole).values()}
+    params = pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with channel:
+        for i in range(4):
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=shared + [60 + i], sampling_params=params),
+                               metadata=APP_METADATA, timeout=60))
+            time.sleep(1.5)  # the replicas' routing stats are polled every second
+    after = replica_reports(idle_and_whole)
+    gained = sorted(after[r]["prefix_cache_hits"] - before.get(r, 0) for r in after)
+    assert gained == [0, 3 * 48], gained  # the 2nd to 4th requests hit, all on one replica
+
+
 MALFORMED = [b"\x12\x04\xff\xfe\xc0\xaf", b"\xff" * 16, b"\x12\x7fabc",
              b"\x0a\x03\xed\xa0\x80"]  # the last: request_id holding a surrogate's UTF-8-like bytes
 
