@@ -85,7 +85,8 @@ class FrontendServer:
                                     limits=config.limits, overload=config.overload)
         self.metrics = FrontendMetrics(service.model_name, info["max_model_len"])
         service.metrics = self.metrics
-        self.replay.on_replay = self.metrics.streams_replayed.inc
+        if self.replay is not None:
+            self.replay.on_replay = self.metrics.streams_replayed.inc
         self.service = service
         self.tenants = TenantRegistry.merge(
             (config.tenants, None if config.auth_token is None else TenantRegistry.single(config.auth_token)))
