@@ -13,6 +13,8 @@ from raypaged.config.base import ConfigError, check, check_choices, parse_bytes,
 from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 
 KV_CACHE_MODES = ("paged", "contiguous")
+# auto: the model's dtype; fp8 is fp8_e4m3 (kernels/kv_quant.py maps the names to torch dtypes).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The paged-attention kernels are compiled for these block sizes (the scheduler takes any).
 BLOCK_SIZES = (8, 16, 32)
 # What a Ray worker reserves unless ray_cpus_per_worker says: a GPU worker's host thread needs
@@ -121,6 +123,10 @@ class CacheSettings:
     kv_cache_mode: str = setting(
         "paged", "paged: blocks on demand; contiguous: each request reserves max_model_len slots "
                  "up front", choices=KV_CACHE_MODES)
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV pool holds: auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, "
+                "one byte a value (twice the blocks in the same memory), quantized with the "
+                "checkpoint's per-layer k/v scales (e4m3; else 1.0)", choices=KV_CACHE_DTYPES)
 
     def validate(self) -> None:
         check_choices(self)

@@ -46,6 +46,27 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPE_NAMES[name]
 
 
+# Triton's FP8 conversions need Ada (8.9) or Hopper (9.0) on.
+MIN_CAPABILITY = (8, 9)
+
+
+class Fp8KvUnsupportedError(ValueError):
+    """An FP8 KV cache cannot run on this device."""
+
+
+def check_kv_cache_device(dtype: torch.dtype, device: torch.device) -> None:
+    """Raise unless a pool of `dtype` can run on `device`: an FP8 pool on CUDA needs sm_89+
+    (CPU runs the references, or the kernels under the interpreter)."""
+    if not is_fp8(dtype) or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        raise Fp8KvUnsupportedError(
+            f"an FP8 KV cache ({dtype}) needs compute capability >= 8.9 (Ada or Hopper); "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: use "
+            "--kv-cache-dtype auto")
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x / scale, clamped to the FP8 range, as `dtype`: out-of-range values saturate, never
     inf or NaN (e4m3fn has no inf; a bare cast may give NaN)."""
