@@ -43,6 +43,9 @@ class EngineActor:
             "vocab_size": core.model_config.vocab_size,
             "block_size": core.config.scheduler.block_size,
             "num_blocks": core.num_blocks,
+            "kv_cache_dtype": core.config.cache.kv_cache_dtype,
+            "kv_cache_bytes_per_block": core.kv_cache_bytes[0],
+            "kv_cache_element_bytes": core.kv_cache_bytes[1],
             "tensor_parallel_size": core.config.parallel.tensor_parallel_size,
             "eos_token_ids": list(core.eos_token_ids),
         }

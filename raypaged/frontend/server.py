@@ -71,6 +71,7 @@ class FrontendServer:
         service = GenerationService(engine, tokenizer, model_name=config.model_name, limits=config.limits,
                                     overload=config.overload)
         self.metrics = FrontendMetrics(service.model_name, info["max_model_len"])
+        self.metrics.record_kv_pool(info)
         service.metrics = self.metrics
         self.service = service
         self.health = health.aio.HealthServicer()

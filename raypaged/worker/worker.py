@@ -97,6 +97,10 @@ class Worker:
         element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * mc.num_hidden_layers * self.config.scheduler.block_size * kv_heads * mc.head_dim * element
 
+    def kv_cache_sizes(self) -> tuple[int, int]:
+        """(bytes of one KV block, bytes of one cached value) on this rank."""
+        return self.bytes_per_block(), torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """How many KV blocks this rank can hold; the executor takes the minimum over ranks."""
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raypaged import LLM, SamplingParams
+from raypaged.frontend.metrics import FrontendMetrics
 from tests.support.checkpoints import checkpoint_dir
 from tests.support.hf_oracle import random_prompts, vocab_of
 from tests.support.kv_scale_checkpoints import kv_scaled_dir
@@ -77,7 +78,7 @@ def test_the_same_with_the_triton_kernels(async_scheduling):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 def test_an_fp8_pool_holds_twice_the_blocks_in_the_same_memory(kv_cache_dtype):
-    sizes = {}
+    sizes, pool_bytes, element_bytes = {}, {}, {}
     for kv in ("auto", kv_cache_dtype):
         llm = LLM(str(checkpoint_dir("llama")), dtype="bfloat16", block_size=8,
                   kv_cache_memory_bytes=2**20, kv_cache_dtype=kv)
@@ -85,12 +86,23 @@ def test_an_fp8_pool_holds_twice_the_blocks_in_the_same_memory(kv_cache_dtype):
             worker = llm.engine.executor.worker
             pool = worker.runner.kv_caches[0][0]
             sizes[kv] = (llm.engine.num_blocks, worker.bytes_per_block(), pool.dtype)
+            metrics = FrontendMetrics("m", 64)
+            metrics.record_kv_pool({"num_blocks": llm.engine.num_blocks,
+                                    "kv_cache_bytes_per_block": llm.engine.kv_cache_bytes[0],
+                                    "kv_cache_element_bytes": llm.engine.kv_cache_bytes[1]})
+            pool_bytes[kv] = metrics.registry.get_sample_value(
+                "raypaged_kv_cache_bytes", {"model_name": "m", "engine": "0"})
+            element_bytes[kv] = metrics.registry.get_sample_value(
+                "raypaged_kv_cache_element_bytes", {"model_name": "m", "engine": "0"})
         finally:
             llm.shutdown()
     (bf16_blocks, bf16_bytes, bf16_dtype), (fp8_blocks, fp8_bytes, fp8_dtype) = sizes.values()
     assert bf16_dtype == torch.bfloat16 and fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     assert fp8_bytes * 2 == bf16_bytes
     assert fp8_blocks == 2 * bf16_blocks == 2 * (2**20 // bf16_bytes)
+    # The metrics show the same memory holding twice the blocks, one byte a value.
+    assert pool_bytes["auto"] == pool_bytes[kv_cache_dtype] == bf16_blocks * bf16_bytes
+    assert (element_bytes["auto"], element_bytes[kv_cache_dtype]) == (2, 1)
 
 
 @pytest.mark.gpu
