@@ -15,6 +15,13 @@ from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 KV_CACHE_MODES = ("paged", "contiguous")
 # auto: the model's dtype; fp8 is fp8_e4m3 (kernels/kv_quant.py maps the names to torch dtypes).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_cache_value_bytes(kv_cache_dtype: str, model_value_bytes: int = 2) -> int:
+    """Bytes of one cached K or V value: the model's for "auto", 1 for the FP8 pools."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
+    return model_value_bytes if kv_cache_dtype == "auto" else 1
 # The paged-attention kernels are compiled for these block sizes (the scheduler takes any).
 BLOCK_SIZES = (8, 16, 32)
 # What a Ray worker reserves unless ray_cpus_per_worker says: a GPU worker's host thread needs
