@@ -16,12 +16,18 @@ its output length and ignore_eos, so every request generates exactly that. Reque
 serving does the same; the CPU default, 512, keeps its tails short).
 
 --trace multiturn: modes prefix-cache and no-prefix-cache (`--no-enable-prefix-caching`), both
-paged. At each rate conversations begin at Poisson times (conversations per second) for
---arrival-window-s, sharing one system prompt; each turn resends the whole history with the
-replies as streamed back, after a think time (serving_chat.py says exactly how). The defaults
-are CPU-sized for the demo model's 1,024-token context (system prompt 128, user messages ≈ 24
-and replies ≈ 32 tokens, 3–8 turns, capped at the model's context, 0.5 / 1 / 2 conversations a
-second for 20 s); scripts/gpu.sh serving-multiturn runs 500 / 100 / 200.
+paged; `--modes prefix-cache,host-tier` compares the prefix cache without and with a host tier
+of KV blocks behind the pool (`--kv-offload-size`; host-tier-swap adds swap preemption), at a pool
+(`--num-kv-blocks`) a few times smaller than the trace's reusable KV: per rate, the tokens the
+host tier served and the bytes moved each way, against the host-device copy bandwidth measured
+at the start (pinned memory, CUDA only). At each rate conversations begin at Poisson times
+(conversations per second) for --arrival-window-s, sharing one system prompt; each turn resends
+the whole history with the replies as streamed back, after a think time (serving_chat.py says
+exactly how). The defaults are CPU-sized for the demo model's 1,024-token context (system
+prompt 128, user messages ≈ 24 and replies ≈ 32 tokens, 3–8 turns, capped at the model's
+context, 0.5 / 1 / 2 conversations a second for 20 s); scripts/gpu.sh serving-multiturn runs
+500 / 100 / 200, and serving-host-tier the same trace at a pool a few times smaller than its
+reusable KV, the host tier off and on.
 
 Per rate, as the client sees it: TTFT (send → first token), inter-token latency (the gap before
 each streamed chunk, split over the chunk's tokens), TPOT ((E2E − TTFT) / (tokens − 1)), E2E;
@@ -55,6 +61,7 @@ from benchmarks.lib.common import (
     SHAPES,
     device_tag,
     environment,
+    pinned_copy_bandwidth,
     write_config,
     write_json,
 )
@@ -63,9 +70,11 @@ from benchmarks.serving_chat import ChatLoad, ChatShape, conversations_at, plan_
 from benchmarks.serving_load import Load, RequestLoad, drive, fresh_prompts, send
 from benchmarks.serving_report import (
     KV_GAUGES,
+    host_tier_summary,
     kv_summary,
     max_rate_meeting,
     prefix_cache_summary,
+    print_host_tier,
     print_rate,
     print_table,
     rate_unit,
@@ -77,14 +86,19 @@ from benchmarks.soak import LaunchedServer, scrape
 from raypaged.client import Client
 from raypaged.frontend.server import ServerConfig
 
-# Each trace's two modes, and the flags that make a server of each (after the user's, so they win).
-TRACE_MODES = {"sharegpt": ("paged", "contiguous"), "multiturn": ("prefix-cache", "no-prefix-cache")}
+# Each trace's modes (the first two run by default), and the flags that make a server of each
+# (after the user's, so they win). The host-tier modes also get --kv-offload-size.
+TRACE_MODES = {"sharegpt": ("paged", "contiguous"),
+               "multiturn": ("prefix-cache", "no-prefix-cache", "host-tier", "host-tier-swap")}
 MODE_FLAGS = {
     "paged": ["--kv-cache-mode", "paged"],
     "contiguous": ["--kv-cache-mode", "contiguous"],
     "prefix-cache": ["--kv-cache-mode", "paged", "--enable-prefix-caching"],
     "no-prefix-cache": ["--kv-cache-mode", "paged", "--no-enable-prefix-caching"],
+    "host-tier": ["--kv-cache-mode", "paged", "--enable-prefix-caching", "--preemption-mode", "recompute"],
+    "host-tier-swap": ["--kv-cache-mode", "paged", "--enable-prefix-caching", "--preemption-mode", "swap"],
 }
+HOST_TIER_CPU_GIB = 0.25
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
 # 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too. The chat
 # trace has no contiguous mode: on CPU it keeps the server's default pool, where thinking
@@ -168,6 +182,7 @@ def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argpar
     preemptions = "raypaged_num_preemptions_total"
     result["preemptions"] = after.get(preemptions, 0) - before.get(preemptions, 0)
     result["prefix_cache"] = prefix_cache_summary(before, after, ran.timings)
+    result["host_tier"] = host_tier_summary(before, after, ran.wall_s)
     result["kv"] = kv_summary(samples, info.block_size)
     result["kv_samples"] = samples
     return result
@@ -187,6 +202,8 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
              args: argparse.Namespace, record: dict, save) -> None:
     """One server in `mode`; the rates ascending until one passes --stop-ttft-s."""
     flags = [*launch_args, *MODE_FLAGS[mode]]
+    if mode.startswith("host-tier"):
+        flags += ["--kv-offload-size", str(args.kv_offload_size)]
     if num_blocks:
         flags += ["--num-gpu-blocks-override", str(num_blocks)]
     started = time.perf_counter()
@@ -309,8 +326,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "for sharegpt, the server's own for multiturn; on CUDA the first "
                              "server's profiled pool)")
     parser.add_argument("--modes", default=None,
-                        help="comma list, of the trace's two (default both: "
-                             + "; ".join(f"{t}: {','.join(m)}" for t, m in TRACE_MODES.items()) + ")")
+                        help="comma list, of the trace's modes (default its first two: "
+                             + "; ".join(f"{t}: {','.join(m)}" for t, m in TRACE_MODES.items())
+                             + "). host-tier: prefix caching with a host tier of "
+                             "--kv-offload-size GiB behind the pool (-swap: and swap preemption); "
+                             "it pays when the trace's reusable KV outgrows the pool (--num-kv-blocks)")
+    parser.add_argument("--kv-offload-size", type=float, default=HOST_TIER_CPU_GIB,
+                        help="GiB per rank of the host-tier modes' host pool")
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
     parser.add_argument("--stop-ttft-s", type=float, default=10.0,
                         help="stop a mode's sweep after a rate whose p99 TTFT passes this")
@@ -333,7 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.rates or min(args.rates) <= 0:
         parser.error("--rates: positive numbers")
     modes = TRACE_MODES[args.trace]
-    args.modes = [m for m in args.modes.split(",") if m] if args.modes else list(modes)
+    args.modes = [m for m in args.modes.split(",") if m] if args.modes else list(modes[:2])
     if not args.modes or any(m not in modes for m in args.modes):
         parser.error(f"--modes with --trace {args.trace}: a comma list of {', '.join(modes)}")
     args.launch_args = [a for a in args.launch_args if a != "--"]
@@ -370,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         record["load_average_1_5_15min_at_end"] = os.getloadavg()
         return write_json(f"serving_{name}", record, Path(args.out) if args.out else None)
 
+    if on_cuda and any(m.startswith("host-tier") for m in args.modes):
+        record["host_device_copy_gb_per_s"] = pinned_copy_bandwidth()  # what the tier's bytes compare to
     with tempfile.TemporaryDirectory() as tmp:
         launch_args = model_launch_args(args, Path(tmp)) + args.launch_args
         for mode in args.modes:
@@ -377,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             num_blocks = record[mode]["num_kv_blocks"]  # the next mode gets exactly this pool
     path = save()
     print_table(record, args.modes, args.slo_ttft_s)
+    print_host_tier(record, args.modes)
     save_plot(record, args.modes, args.slo_ttft_s, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name} in {record['wall_seconds']:.0f} s")
     return 0

@@ -218,6 +218,33 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
     plt.close(fig)
 
 
+def host_tier_summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """A rate's host tier of KV blocks, from the server's counters: prompt tokens served from the
+    host tier (of the prefix-cache hits), and the bytes copied each way (all ranks), also per
+    second of the rate. Zeros for a server without a host tier."""
+    def delta(name: str) -> float:
+        return after.get(f"raypaged_{name}_total", 0.0) - before.get(f"raypaged_{name}_total", 0.0)
+
+    offloaded, loaded = delta("kv_offloaded_bytes"), delta("kv_loaded_bytes")
+    return {"host_hits": delta("host_cache_hits"), "offloaded_bytes": offloaded, "loaded_bytes": loaded,
+            "offload_gb_per_s": offloaded / wall_s / 1e9 if wall_s else None,
+            "load_gb_per_s": loaded / wall_s / 1e9 if wall_s else None}
+
+
+def print_host_tier(record: dict, modes: list[str]) -> None:
+    """One line per rate of each mode whose host tier moved anything."""
+    bandwidth = record.get("host_device_copy_gb_per_s")
+    for mode in modes:
+        for r in record.get(mode, {}).get("rates", []):
+            tier, hits = r.get("host_tier"), r["prefix_cache"]["hits"]
+            if not tier or not (tier["offloaded_bytes"] or tier["loaded_bytes"]):
+                continue
+            share = f" ({tier['host_hits'] / hits:.0%} of the hits)" if hits else ""
+            print(f"host tier, {mode} at {r['rate']:g}: {tier['host_hits']:,.0f} prompt tokens from host"
+                  f"{share}; {tier['offload_gb_per_s']:.3g} GB/s out, {tier['load_gb_per_s']:.3g} GB/s in"
+                  + (f" (copies measured at {bandwidth})" if bandwidth else ""))
+
+
 def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
     unit = rate_unit(record)
     print(f"\n| mode | {unit} | req/s | out tok/s | TTFT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 "

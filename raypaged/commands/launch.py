@@ -43,6 +43,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="seconds that streams in flight get to finish on SIGINT / SIGTERM")
     group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
                        help="start a new engine (with backoff) when the engine actor dies")
+    group.add_argument("--engine-recovery-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="how long streams in flight (and new requests) wait for the new engine "
+                            "after the engine actor died, to go on there with nothing lost; past "
+                            "it they end with UNAVAILABLE (0: at once)")
     add_security_args(parser)
     return group
 
@@ -59,13 +63,15 @@ def run_server(args: argparse.Namespace, command: str, attach: Attach | None = N
     import logging
 
     from raypaged.config import ConfigError
+    from raypaged.frontend.supervisor import RestartPolicy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = EngineConfig.from_cli_args(args)
         config.validate()
         args.security = security_from_args(args)
-    except (ConfigError, ValueError) as e:  # ValueError: a bad TLS or token setting
+        args.restart_policy = RestartPolicy(recovery_timeout_s=args.engine_recovery_timeout)
+    except (ConfigError, ValueError) as e:  # ValueError: a bad TLS, token or recovery setting
         print(f"raypaged {command}: {e}", file=sys.stderr)
         return 2
     try:
@@ -106,10 +112,14 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
     from raypaged.engine.client import AsyncEngineClient
     from raypaged.frontend.load_shedding import OverloadPolicy
     from raypaged.frontend.server import FrontendServer, ServerConfig
+    from raypaged.frontend.tenants import unused_priorities_warning
 
     logger = logging.getLogger("raypaged.launch")
     security = args.security
     warn_if_exposed(args.host, security, logger)
+    unused = unused_priorities_warning(security.api_keys, config.scheduler.scheduling_policy)
+    if unused is not None:
+        logger.warning("%s", unused)
     started_ray = not ray.is_initialized()
     if started_ray:
         # Ray's GCS keeps the events of up to 100,000 tasks (~200 MiB); the engine makes one
@@ -129,7 +139,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                          model_name=model_name, shutdown_grace_s=args.shutdown_grace,
                          max_message_bytes=security.max_message_bytes, tls=security.tls,
-                         auth_token=security.auth_token, overload=OverloadPolicy.from_config(config)),
+                         auth_token=security.auth_token, tenants=security.api_keys,
+                         overload=OverloadPolicy.from_config(config), restart_policy=args.restart_policy),
             owns_engine=True,
             engine_factory=(lambda: AsyncEngineClient.start(config)) if args.engine_restart else None)
         await server.start()

@@ -22,6 +22,9 @@ def kv_cache_value_bytes(kv_cache_dtype: str, model_value_bytes: int = 2) -> int
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
     return model_value_bytes if kv_cache_dtype == "auto" else 1
+
+
+PREEMPTION_MODES = ("recompute", "swap")
 # The paged-attention kernels are compiled for these block sizes (the scheduler takes any).
 BLOCK_SIZES = (8, 16, 32)
 # What a Ray worker reserves unless ray_cpus_per_worker says: a GPU worker's host thread needs
@@ -134,10 +137,25 @@ class CacheSettings:
         "auto", "what the KV pool holds: auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, "
                 "one byte a value (twice the blocks in the same memory), quantized with the "
                 "checkpoint's per-layer k/v scales (e4m3; else 1.0)", choices=KV_CACHE_DTYPES)
+    kv_offload_size: float = setting(
+        0.0, "GiB of host memory per rank for a second tier of KV blocks behind the GPU pool: "
+             "evicted prefix-cache blocks are copied there and come back on a prefix hit (default: "
+             "0, no host tier)", flags=("--kv-offload-size", "--cpu-offload-gb"))
+    preemption_mode: str = setting(
+        "recompute", "recompute: a preempted request computes its KV again; swap: its blocks go "
+                     "to the host tier (needs --kv-offload-size) and come back on resumption",
+        choices=PREEMPTION_MODES)
 
     def validate(self) -> None:
         check_choices(self)
-        check([(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")])
+        check([
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.kv_offload_size >= 0, "kv_offload_size must be >= 0"),
+            (self.preemption_mode != "swap" or self.kv_offload_size > 0,
+             "preemption_mode swap needs a host tier: set kv_offload_size"),
+            (not self.kv_offload_size or self.kv_cache_mode == "paged",
+             "kv_offload_size needs kv_cache_mode paged"),
+        ])
 
 
 @dataclass(frozen=True)

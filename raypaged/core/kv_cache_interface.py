@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from raypaged.core.block_pool import BlockPool
+from raypaged.core.outputs import KVTransfers
 from raypaged.core.request import Request
 
 
@@ -29,10 +30,16 @@ class KVCacheStats:
     logical_slots: int  # sum over requests of their computed tokens (what they'd need unshared)
     shared_saved_slots: int  # logical - filled: slots saved by prefix sharing and fork
     prefix_cache_queries: int  # tokens looked up in the prefix cache (like vLLM)
-    prefix_cache_hits: int  # of those, tokens found
+    prefix_cache_hits: int  # of those, tokens found (in either tier)
     # Blocks held per KV-cache group (each block once; a block belongs to one group). Empty for
     # a single-group manager, whose groups' total is num_used_blocks.
     group_blocks: tuple[int, ...] = ()
+    # The host tier (core/tiered_kv_cache_manager.py); zeros without one.
+    host_cache_hits: int = 0  # of prefix_cache_hits, tokens found in the host tier
+    num_host_blocks: int = 0
+    num_host_free_blocks: int = 0
+    offloaded_bytes: int = 0  # copied GPU -> host since the start, over every rank
+    loaded_bytes: int = 0  # copied host -> GPU
 
     @property
     def num_used_blocks(self) -> int:
@@ -90,6 +97,20 @@ class KVCacheManagerInterface(ABC):
     @abstractmethod
     def free(self, request: Request) -> None:
         """Release the request's blocks (a no-op if it holds none)."""
+
+    def free_preempted(self, request: Request) -> None:
+        """Release a preempted request's blocks (it will be scheduled again). A manager with a
+        host tier may swap its K/V out first; the others just free them."""
+        self.free(request)
+
+    def may_admit(self, request: Request) -> bool:
+        """Whether the waiting request may be scheduled this step. A manager with a host tier
+        may say no once, while it loads the request's prefix for the next step."""
+        return True
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The host tier's copies queued since the last call (None: none, or no host tier)."""
+        return None
 
     @abstractmethod
     def fork(self, parent: Request, child: Request) -> None:

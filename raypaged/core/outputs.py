@@ -43,6 +43,24 @@ class CachedRequestData:
 
 
 @dataclass
+class KVTransfers:
+    """One step's copies between the GPU pool and the host tier (core/tiered_kv_cache_manager.py),
+    applied by every rank to its own heads before the step's copy-on-write and forward: first
+    every offload, then every load (a load may read a host block an offload of the same step
+    writes, and may write a GPU block an offload of the same step reads). No host block is
+    written twice, no GPU block loaded twice."""
+
+    offloads: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    # Whether this step's forward reads a block it loads. If not, the loads may overlap this
+    # step's forward: only the next step's forward must wait for them.
+    loads_read_now: bool = True
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.loads)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
@@ -57,6 +75,8 @@ class SchedulerOutput:
     # Copy-on-write: (src block, dst block) pairs to copy in every layer before the forward. No
     # dst repeats or is also a src, so one batched gather-then-scatter applies them all.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The host tier's copies, before block_copies; None when there are none.
+    kv_transfers: KVTransfers | None = None
     # Structured outputs: int32 [R, ceil(V/32)] numpy array, row i the tokens grammar_req_ids[i]
     # may sample this step (raypaged/structured/bitmask.py). None when no scheduled request has
     # a grammar: unconstrained steps carry nothing.
@@ -72,7 +92,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0 and not self.block_copies
+        return self.total_num_scheduled_tokens == 0 and not self.block_copies and not self.kv_transfers
 
     def unschedule(self, req_id: str) -> bool:
         """Take a request's entry (cached or new) back out, as when priority preemption picks

@@ -26,6 +26,7 @@ from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import Request
 from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
 from raypaged.engine.actor import EngineActor
+from raypaged.engine.interface import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
-class AsyncEngineClient:
+class AsyncEngineClient(EngineClient):
     def __init__(self, actor: ray.actor.ActorHandle[EngineActor], model_info: dict[str, Any]) -> None:
         self.actor = actor
-        self.model_info = model_info
+        self._model_info = model_info
         self._streams: dict[str, _Stream] = {}  # by engine id
         self._engine_ids: dict[str, str] = {}  # group id -> engine id, while it streams
         self._next_engine_seq = itertools.count()
@@ -60,7 +61,7 @@ class AsyncEngineClient:
         self._pump_task: asyncio.Task[None] | None = None
         # The engine's load as of the last batch pulled (None until the first): the front
         # door's shedding reads it (frontend/load_shedding.py).
-        self.load: EngineLoad | None = None
+        self._load: EngineLoad | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
@@ -179,7 +180,7 @@ class AsyncEngineClient:
                 self._fail_all(f"the engine is gone: {_unwrap(e)}")
                 return
             if outputs.load is not None:
-                self.load = outputs.load
+                self._load = outputs.load
             for out in outputs:
                 stream = self._streams.get(out.group_id)
                 if stream is not None:  # else: a request that ended here already
@@ -194,6 +195,14 @@ class AsyncEngineClient:
         self._gone.set()
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(message))
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return self._model_info
+
+    @property
+    def load(self) -> EngineLoad | None:
+        return self._load
 
     @property
     def is_alive(self) -> bool:

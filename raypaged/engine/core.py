@@ -20,13 +20,14 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from raypaged.config import EngineConfig
+from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
 from raypaged.core.parallel_sampling import end_records
-from raypaged.core.request import FinishReason, Request, RequestStatus
+from raypaged.core.request import ENGINE_FAILED, FinishReason, Request, RequestStatus
+from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
 from raypaged.executor.base import Executor
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
@@ -93,7 +94,8 @@ class EngineCore:
         self.kv_cache_bytes = self.executor.collective_rpc("kv_cache_sizes")[0]
         contiguous = config.cache.kv_cache_mode == "contiguous"
         self.scheduler = make_scheduler(config.scheduler.build(self.num_blocks, self.max_model_len),
-                                        kv_cache_manager=self._contiguous_manager() if contiguous else None)
+                                        kv_cache_manager=self._contiguous_manager() if contiguous
+                                        else self._tiered_manager())
         self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
@@ -325,7 +327,7 @@ class EngineCore:
                 if self.scheduler.requests else []
         outputs = EngineCoreOutputs()
         for out in failed:
-            out.error = self.dead
+            out.error, out.stop_reason = self.dead, ENGINE_FAILED
             outputs.append(out)
         return outputs
 
@@ -336,6 +338,25 @@ class EngineCore:
             logger.debug("executor shutdown after failure", exc_info=True)
         self.executor = self._executor_class(self.config, self.model_dir)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+
+    def _tiered_manager(self) -> TieredKVCacheManager | None:
+        """The host tier behind the GPU pool (cache.kv_offload_size), of as many blocks as every
+        rank's host pool holds; None without one."""
+        cache = self.config.cache
+        if not cache.kv_offload_size:
+            return None
+        num_host_blocks = min(self.executor.collective_rpc("num_host_blocks"))
+        if num_host_blocks < 1:
+            self.executor.shutdown()
+            raise ConfigError(f"kv_offload_size ({cache.kv_offload_size} GiB) holds no KV block")
+        settings = self.config.scheduler
+        if not settings.enable_prefix_caching and cache.preemption_mode != "swap":
+            logger.warning("kv_offload_size without prefix caching or swap preemption: the host "
+                           "tier holds nothing a request could use")
+        return TieredKVCacheManager(
+            self.num_blocks, settings.block_size, settings.enable_prefix_caching,
+            num_host_blocks=num_host_blocks, swap_preemption=cache.preemption_mode == "swap",
+            block_bytes=sum(self.executor.collective_rpc("bytes_per_block")))
 
     def _contiguous_manager(self) -> ContiguousKVCacheManager:
         """The reservation baseline (kv_cache_mode "contiguous"). A pool smaller than one

@@ -73,18 +73,18 @@ def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> t
     return quantize_rows_ref(x, static_scale)
 
 
-def linear_fp8(x: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-               w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The W8A8 product of x's e4m3 rows xq [T, K] (scales [T, 1]) and an e4m3 weight [N, K]
-    (scales [N]) in x's dtype, through the skinny GEMM where it takes a step of this many rows
-    (the decode steps `linear` gives it; it reads the weight at one byte an element), else None:
-    then the caller's FP8 GEMM (model/quantization/fp8.py) takes it."""
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight-only product of rows x [T, K] and an e4m3 weight [N, K] (scales [N]) in x's
+    dtype, (x · weightᵀ) · w_scale, through the skinny GEMM where it takes a step of this many
+    rows (decode; it reads the weight at one byte an element, gemv_fp8.py), else None: then the
+    caller's W8A8 GEMM (model/quantization/fp8.py) takes it."""
     if not _skinny_gemm_may_take(x):
         return None
-    from .gemv import gemv_fp8, launch_config
+    from .gemv_fp8 import gemv_w8a16, w8a16_config
 
-    config = launch_config(xq, weight)
-    return None if config is None else gemv_fp8(xq, x_scale, weight, w_scale, bias, x.dtype, config)
+    config = w8a16_config(x, weight)
+    return None if config is None else gemv_w8a16(x, weight, w_scale, bias, config)
 
 
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

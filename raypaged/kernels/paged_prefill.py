@@ -93,9 +93,13 @@ def _softmax_update(acc, m_i, l_i, q, k, v, qk_keep, scale_log2, MASKED: tl.cons
     m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale)
     if HAS_WINDOW:
         # Except under a window: a row may see nothing of the edge tile before its own window.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk * score_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+        # Its max stays -inf (a stand-in of 0 would stay the max under later negative scores,
+        # costing P's precision and, below 2^-126, all of it); only the exponents use the 0.
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_exp = m_new
+    p = tl.exp2(qk * score_scale - m_exp[:, None])
+    alpha = tl.exp2(m_i - m_exp)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
     return acc, m_new, l_i

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raypaged.config import SERVING_MAX_WAITING_REQUESTS, ConfigError, EngineConfig
+from raypaged.frontend.keys_file import KeysFileError, load_keys_file
+from raypaged.frontend.tenants import TenantRegistry
 from raypaged.frontend.validation import RequestLimits
 from raypaged.text.chat_parsing import ChatParsing
 
@@ -56,10 +58,21 @@ class ServeAppArgs:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # The API keys file (frontend/keys_file.py), read by every replica: it must be at this path
+    # on every node (a mounted secret). None: no authentication. Limits are per replica.
+    api_keys_file: str | None = None
 
     @property
     def chat_parsing(self) -> ChatParsing:
         return ChatParsing(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
+
+    def api_keys(self) -> TenantRegistry | None:
+        if self.api_keys_file is None:
+            return None
+        try:
+            return load_keys_file(self.api_keys_file)
+        except KeysFileError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> ServeAppArgs:
@@ -95,6 +108,7 @@ class ServeAppArgs:
     def validate(self) -> None:
         self.engine.validate()
         self.chat_parsing.validate()
+        self.api_keys()  # a malformed file fails the deploy, not every replica's start
         checks = [
             (self.num_replicas is None or self.num_replicas >= 1, "num_replicas must be >= 1"),
             (self.max_ongoing_requests >= 1, "max_ongoing_requests must be >= 1"),

@@ -8,6 +8,10 @@ arrive through Serve's gRPC proxy, which calls the method named like the RPC (`G
 
 A request whose client goes away (HTTP disconnect, gRPC cancel) is cancelled by Serve; leaving
 GenerationService.generate then aborts it in the engine, which frees its KV blocks.
+
+With `api_keys_file`, both transports need a known key (HTTP `Authorization: Bearer <key>`, gRPC
+metadata `authorization`): 401 / UNAUTHENTICATED otherwise. Each key's limits are this
+replica's (N replicas let a key through up to N times its limits).
 """
 
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods, and
@@ -28,9 +32,11 @@ from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import refuse_undecodable
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
+from raypaged.frontend.tenants import Tenant, unused_priorities_warning
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
-from raypaged.serve.openai_api import OpenAIFrontDoor, RequestTimeout, install_error_handlers
+from raypaged.serve.openai_api import Authorization, OpenAIFrontDoor, RequestTimeout, install_error_handlers
+from raypaged.serve.openai_errors import unauthenticated
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
@@ -60,8 +66,12 @@ class RaypagedDeployment:
         self.metrics.record_kv_pool(info)
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
+        self.tenants = args.api_keys()
+        unused = unused_priorities_warning(self.tenants, config.scheduler.scheduling_policy)
+        if unused is not None:
+            logger.warning("%s", unused)
         self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers, model_names=names,
-                                      parsing=args.chat_parsing)
+                                      parsing=args.chat_parsing, tenants=self.tenants)
         self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
         logger.info("raypaged replica %s ready: %s (%d KV blocks of %d, tp %d)", self.replica_id,
                     self.service.model_name, info["num_blocks"], info["block_size"],
@@ -73,28 +83,31 @@ class RaypagedDeployment:
 
     # ---- OpenAI HTTP: serve/openai_api.py ------------------------------------------------------
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return await self.openai.models()
+    async def models(self, authorization: Authorization = None) -> dict[str, Any]:
+        return await self.openai.models(authorization)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
         return await self.openai.health()
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, timeout: RequestTimeout = None) -> Any:
-        return await self.openai.completions(body, timeout)
+    async def completions(self, body: CompletionRequest, timeout: RequestTimeout = None,
+                          authorization: Authorization = None) -> Any:
+        return await self.openai.completions(body, timeout, authorization)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, timeout: RequestTimeout = None) -> Any:
-        return await self.openai.chat_completions(body, timeout)
+    async def chat_completions(self, body: ChatCompletionRequest, timeout: RequestTimeout = None,
+                               authorization: Authorization = None) -> Any:
+        return await self.openai.chat_completions(body, timeout, authorization)
 
     # ---- raypaged.v1 through Serve's gRPC proxy ------------------------------------------------
     # A request whose bytes did not parse arrives as an Undecodable (serve/grpc_ingress.py).
     async def Generate(self, request: pb.GenerateRequest,
                        grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            tenant = self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
-            async for response in self.service.generate(request):
+            async for response in self.service.generate(request, tenant=tenant):
                 yield response
         except Exception as e:
             self._grpc_refused(grpc_context, e)
@@ -103,19 +116,31 @@ class RaypagedDeployment:
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
         """Reaches one replica: a request streaming on another answers NOT_FOUND here."""
         try:
+            tenant = self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
-            return await self.service.abort(request)
+            return await self.service.abort(request, tenant)
         except Exception as e:
             self._grpc_refused(grpc_context, e)
             raise
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:
         try:
+            self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
         except Exception as e:
             self._grpc_refused(grpc_context, e)
             raise
         return self.service.model_info()
+
+    def _grpc_tenant(self, grpc_context) -> Tenant | None:
+        """The caller's tenant from its metadata (None without keys); no known key: refused."""
+        if self.tenants is None:
+            return None
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        tenant = self.tenants.from_metadata(metadata)
+        if tenant is None:
+            raise unauthenticated()
+        return tenant
 
     def _grpc_refused(self, grpc_context, error: Exception) -> None:
         """Serve's proxy answers with the code set on the context when the method then raises."""

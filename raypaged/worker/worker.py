@@ -18,6 +18,7 @@ from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.loader import load_model
+from raypaged.worker.kv_offload import HostKVCache
 from raypaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,11 @@ class Worker:
         """(bytes of one KV block, bytes of one cached value) on this rank."""
         return self.bytes_per_block(), torch.tensor([], dtype=self.kv_cache_dtype).element_size()
 
+    def num_host_blocks(self) -> int:
+        """Blocks of this rank's host tier (cache.kv_offload_size GiB); the engine takes the
+        minimum over ranks."""
+        return int(self.config.cache.kv_offload_size * 2**30) // self.bytes_per_block()
+
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """How many KV blocks this rank can hold; the executor takes the minimum over ranks."""
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -171,6 +177,8 @@ class Worker:
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
                                   seed=self.config.model_settings.seed,
                                   async_output=self.config.scheduler.async_scheduling)
+        if self.config.cache.kv_offload_size:
+            self.runner.host_kv = HostKVCache(self.num_host_blocks(), kv_caches)
         if self.device.type == "cuda" and not self.config.compilation.enforce_eager:
             self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs,
                                             self._piecewise_max_tokens())

@@ -118,3 +118,17 @@ def test_fp8_kv_on_cuda_with_and_without_cuda_graphs(enforce_eager):
     llm, results = _generate(prompts, params, enforce_eager=enforce_eager, **common)
     _, reference = _generate(prompts, params, enforce_eager=True, attention_backend="torch", **common)
     assert _tokens(results) == _tokens(reference)
+
+
+def test_the_host_tier_swaps_fp8_blocks_exactly():
+    """Swap preemption moves an FP8 pool's blocks to the host tier and back (as bytes): the
+    tokens are those of a pool roomy enough to preempt nothing."""
+    prompts = random_prompts([17, 20, 12, 23], vocab_of("llama"), seed=25)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _, roomy = _generate(prompts, params, num_gpu_blocks_override=40, async_scheduling=False)
+    llm, swapped = _generate(prompts, params, num_gpu_blocks_override=10, kv_offload_size=2**-10,
+                             preemption_mode="swap", enable_prefix_caching=False, async_scheduling=False)
+    stats = llm.engine.scheduler.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_cache.offloaded_bytes > 0 and stats.kv_cache.loaded_bytes > 0
+    assert _tokens(swapped) == _tokens(roomy)

@@ -72,6 +72,26 @@ def test_prefix_caching_chunked_prefill_and_preemption_under_tp2(async_schedulin
     assert_matches_hf("llama", prompts, results, max_tokens=20)
 
 
+def test_swap_preemption_to_the_host_tier_under_tp2():
+    """Each rank offloads and loads its own KV heads: a block brought back wrong on either rank
+    would change the tokens after it."""
+    from tests.engine.test_host_tier import host_gib
+
+    vocab = vocab_of("llama")
+    prompts = random_prompts([9, 20, 14, 3], vocab, seed=13, prefix=random_prompts([24], vocab, seed=12)[0])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8,
+              max_num_batched_tokens=16, num_gpu_blocks_override=16, enable_prefix_caching=False,
+              kv_offload_size=host_gib(24), preemption_mode="swap")
+    try:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0 and stats.kv_cache.loaded_bytes > 0
+    assert_matches_hf("llama", prompts, results, max_tokens=20)
+
+
 def test_structured_outputs_under_tp2_with_async_scheduling_on_a_small_pool():
     """Constrained requests under TP 2, async: rank 0 masks its logits with the deferred masks
     and broadcasts the tokens; outputs equal a sync TP 1 run's, plain neighbours transformers'."""
