@@ -69,8 +69,9 @@ def write_kv_ref(
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced indexing on (block, offset) works for any cache strides (no flat view needed).
     if k_scale is not None and v_scale is not None:  # an FP8 pool (checked above)
-        k_cache[blocks, offsets] = quantize_kv(key[valid], k_scale, k_cache.dtype)
-        v_cache[blocks, offsets] = quantize_kv(value[valid], v_scale, v_cache.dtype)
+        # As bytes: indexed stores of FP8 are not implemented on every device.
+        k_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(key[valid], k_scale, k_cache.dtype).view(torch.uint8)
+        v_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(value[valid], v_scale, v_cache.dtype).view(torch.uint8)
         return
     k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
@@ -84,8 +85,10 @@ def _gather_context(
     block_size = cache.shape[1]
     first_block, num_blocks = start // block_size, -(-length // block_size)
     blocks = block_row[first_block:num_blocks].long()
-    # Slicing before any arithmetic drops the slots outside [start, length).
-    flat = cache[blocks].reshape((num_blocks - first_block) * block_size, *cache.shape[2:])
+    # Slicing before any arithmetic drops the slots outside [start, length). An FP8 pool is
+    # gathered as bytes (indexed loads of FP8 are not implemented on every device).
+    picked = cache.view(torch.uint8)[blocks].view(cache.dtype) if is_fp8(cache.dtype) else cache[blocks]
+    flat = picked.reshape((num_blocks - first_block) * block_size, *cache.shape[2:])
     return flat[start - first_block * block_size : length - first_block * block_size]
 
 
