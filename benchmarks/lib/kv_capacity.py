@@ -7,7 +7,9 @@ same --num-kv-blocks memory on CPU), and reports its blocks, the bytes a block t
 and `fits` = blocks // ceil(context / block_size): the requests of `context` tokens whose whole
 KV the pool holds at once. Then it checks that figure by running fits + 1 such requests submitted
 together (prompt context - OUTPUT_TOKENS tokens, OUTPUT_TOKENS generated): the peak number
-running at once is measured from the scheduler, with the preemptions it took.
+running at once is measured from the scheduler, with the preemptions it took. (With
+OUTPUT_TOKENS below the block size a prompt already holds all of its request's blocks, so no more
+than `fits` can be admitted.)
 """
 
 from __future__ import annotations
