@@ -39,6 +39,8 @@
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
+#   kvcapacity   the profiled KV pool at bf16 vs FP8 KV: blocks, and the 8k-token requests that fit
+#                (checked by running one more) -> kv_capacity_8b_h200.json, ~5
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
 #   serving-multiturn  multi-turn chat (shared system prompt, whole history resent), prefix caching
 #                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~6
@@ -65,8 +67,8 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 prefill throughput reservation serving
-         serving-multiturn serving-multitenant channel staging sampler structured)
+ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 prefill throughput reservation
+         kvcapacity serving serving-multiturn serving-multitenant channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -160,6 +162,9 @@ suite() {
         reservation) bench reservation 480 python3 -m benchmarks.bench_throughput --shape 8b-32k \
             --num-requests 1000 --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 0 --out "$OUT_DIR" ;;
+        kvcapacity) bench kvcapacity 560 python3 -m benchmarks.bench_throughput --shape 8b \
+            --kv-capacity auto,fp8 --capacity-context 8192 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --out "$OUT_DIR" ;;
         serving) use_ray && bench serving 560 python3 -m benchmarks.bench_serving --shape 8b --rates 24,40,56 \
             --num-requests 1000 --warmup-rate-requests 200 --max-total-len 2048 --stop-ttft-s 10 \
             --mode-budget-s 200 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \

@@ -14,6 +14,17 @@ from raypaged.core.block_hashing import HASH_ALGOS
 from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 
 KV_CACHE_MODES = ("paged", "contiguous")
+# auto: the model's dtype; fp8 is fp8_e4m3 (kernels/kv_quant.py maps the names to torch dtypes).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_cache_value_bytes(kv_cache_dtype: str, model_value_bytes: int = 2) -> int:
+    """Bytes of one cached K or V value: the model's for "auto", 1 for the FP8 pools."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
+    return model_value_bytes if kv_cache_dtype == "auto" else 1
+
+
 PREEMPTION_MODES = ("recompute", "swap")
 # The paged-attention kernels are compiled for these block sizes (the scheduler takes any).
 BLOCK_SIZES = (8, 16, 32)
@@ -128,6 +139,10 @@ class CacheSettings:
     kv_cache_mode: str = setting(
         "paged", "paged: blocks on demand; contiguous: each request reserves max_model_len slots "
                  "up front", choices=KV_CACHE_MODES)
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV pool holds: auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, "
+                "one byte a value (twice the blocks in the same memory), quantized with the "
+                "checkpoint's per-layer k/v scales (e4m3; else 1.0)", choices=KV_CACHE_DTYPES)
     kv_offload_size: float = setting(
         0.0, "GiB of host memory per rank for a second tier of KV blocks behind the GPU pool: "
              "evicted prefix-cache blocks are copied there and come back on a prefix hit (default: "

@@ -90,6 +90,8 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks(self.max_model_len,
                                                              self.max_num_batched_tokens)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+        # (bytes of one block, of one value) on each rank: the metrics' and model_info's pool size.
+        self.kv_cache_bytes = self.executor.collective_rpc("kv_cache_sizes")[0]
         contiguous = config.cache.kv_cache_mode == "contiguous"
         self.scheduler = make_scheduler(config.scheduler.build(self.num_blocks, self.max_model_len),
                                         kv_cache_manager=self._contiguous_manager() if contiguous
@@ -109,9 +111,10 @@ class EngineCore:
         # Everything allocated so far lives as long as the engine: keep the collector from
         # rescanning it on every step (the scheduler allocates a few objects per request per step).
         gc.freeze()
-        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_config.architecture, self.num_blocks, config.scheduler.block_size,
-                    self.max_model_len)
+        logger.info("engine ready: %s, %d KV blocks of %d tokens (%s, %d bytes a block per rank), "
+                    "max_model_len %d", self.model_config.architecture, self.num_blocks,
+                    config.scheduler.block_size, config.cache.kv_cache_dtype,
+                    self.kv_cache_bytes[0], self.max_model_len)
 
     def add_request(self, request: Request) -> None:
         """Queue a request (its sampling params already validated). EOS comes from the model

@@ -111,6 +111,15 @@ class FrontendMetrics:
         self.kv_cache_shared_saved_slots = make(
             Gauge, "kv_cache_shared_saved_slots",
             "KV-cache slots saved by sharing blocks (prefix cache, parallel sampling).")
+        # The pool's size in memory, per rank (an FP8 pool: one byte a value, twice the blocks).
+        self.kv_cache_block_bytes = make(
+            Gauge, "kv_cache_block_bytes",
+            "Bytes one KV-cache block takes on each rank (all layers, K and V).")
+        self.kv_cache_bytes = make(Gauge, "kv_cache_bytes",
+                                   "Bytes of the KV-cache pool on each rank.")
+        self.kv_cache_element_bytes = make(
+            Gauge, "kv_cache_element_bytes",
+            "Bytes of one cached K or V value: 2 for bf16/fp16, 1 for an FP8 pool.")
 
         # Requests, as the frontend sees them.
         self.prompt_tokens = make(Counter, "prompt_tokens", "Number of prefill tokens processed.")
@@ -176,6 +185,15 @@ class FrontendMetrics:
             buckets=REQUEST_LATENCY_BUCKETS)
 
         self._last_engine_totals: dict[str, int] = {}
+
+    def record_kv_pool(self, model_info: dict) -> None:
+        """The pool's size from the engine's model_info (set once: it never changes)."""
+        block_bytes = model_info.get("kv_cache_bytes_per_block")
+        if block_bytes is None:
+            return
+        self.kv_cache_block_bytes.set(block_bytes)
+        self.kv_cache_bytes.set(block_bytes * model_info["num_blocks"])
+        self.kv_cache_element_bytes.set(model_info["kv_cache_element_bytes"])
 
     def record_engine_stats(self, stats: SchedulerStats) -> None:
         kv = stats.kv_cache

@@ -84,6 +84,7 @@ class FrontendServer:
         service = GenerationService(front, tokenizer, model_name=config.model_name,
                                     limits=config.limits, overload=config.overload)
         self.metrics = FrontendMetrics(service.model_name, info["max_model_len"])
+        self.metrics.record_kv_pool(info)
         service.metrics = self.metrics
         if self.replay is not None:
             self.replay.on_replay = self.metrics.streams_replayed.inc

@@ -8,6 +8,10 @@ prefill kernel on the rest, both writing into one output tensor.
 A sliding-window layer (Mistral, Gemma's local layers) reads only its window: its decode work
 list is planned with the window, once a step per distinct window, on the first layer that needs
 it (`window_decode_work`), so every layer of that window shares it.
+
+An FP8 pool (--kv-cache-dtype fp8, kernels/kv_quant.py) holds K/V quantized with the layer's
+`k_scale` / `v_scale` (buffers: the checkpoint's, model/kv_scales.py, else 1.0); the layer hands
+them to every op when its pool is FP8, which the pool's dtype says.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from torch import nn
 
 from raypaged.kernels import ops
+from raypaged.kernels.kv_quant import is_fp8
 
 
 @dataclass
@@ -99,6 +104,11 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+        # Device tensors, so no step reads them on the host (and graphs capture their address).
+        self.k_scale: torch.Tensor
+        self.v_scale: torch.Tensor
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -117,7 +127,10 @@ class PagedAttention(nn.Module):
                 f"KV cache holds {tuple(k_cache.shape[2:])} (heads, head_dim) per slot; this rank's "
                 f"attention needs ({self.num_kv_heads}, {self.head_dim})"
             )
-        ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = ((self.k_scale, self.v_scale) if is_fp8(k_cache.dtype)
+                            else (None, None))
+        ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale,
+                     v_scale=v_scale)
 
         if out is None:
             out = torch.empty_like(query)
@@ -137,6 +150,8 @@ class PagedAttention(nn.Module):
                 work=work,
                 sliding_window=window,
                 softcap=softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if meta.num_prefills:
             ops.paged_prefill(
@@ -153,5 +168,7 @@ class PagedAttention(nn.Module):
                 v_new=value[num_decode_tokens:],
                 sliding_window=window,
                 softcap=softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out

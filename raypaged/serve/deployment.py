@@ -69,6 +69,7 @@ class RaypagedDeployment:
         self.replica_id = serve.get_replica_context().replica_tag
         self._headers = {"x-raypaged-replica": self.replica_id}  # which replica answered
         self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
+        self.metrics.record_kv_pool(info)
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
         self.tenants = args.api_keys()

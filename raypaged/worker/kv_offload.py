@@ -15,6 +15,7 @@ staged copy drains to the host) unless the step's forward reads a block it loads
 for the loads too; loads it does not read (prefetches) overlap it, and the next step's forward
 waits for them (wait_for_prefetches). A load after an offload in the same stream also reads what that offload wrote.
 Nothing here runs inside a captured graph: the runner applies it before the step's forward.
+An FP8 pool's blocks move as bytes (index_copy_ has no FP8 kernel; the copy is exact either way).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from raypaged.core.outputs import KVTransfers
+from raypaged.kernels.kv_quant import is_fp8
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _CHUNK = 32  # blocks per staging tensor (an 8B model's 16-token block: 2 MiB)
@@ -34,7 +36,9 @@ class HostKVCache:
         k0 = like[0][0]
         self.device = k0.device
         self.on_cuda = self.device.type == "cuda"
-        self.blocks = torch.empty((num_blocks, len(like), 2, *k0.shape[1:]), dtype=k0.dtype)
+        self.as_bytes = is_fp8(k0.dtype)
+        self.blocks = torch.empty((num_blocks, len(like), 2, *k0.shape[1:]),
+                                  dtype=torch.uint8 if self.as_bytes else k0.dtype)
         self._registered = False
         self.stream = None
         self._loaded: torch.cuda.Event | None = None  # after loads no forward has waited for yet
@@ -61,6 +65,8 @@ class HostKVCache:
 
     def apply(self, transfers: KVTransfers, kv_caches: KVCaches) -> None:
         """Offloads, then loads (KVTransfers' order), ordered with the compute stream."""
+        if self.as_bytes:
+            kv_caches = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
         if self.stream is None:
             self._offload(transfers.offloads, kv_caches)
             self._load(transfers.loads, kv_caches)

@@ -13,6 +13,7 @@ from raypaged.config import EngineConfig, KernelSettings
 from raypaged.config.sections import CPU_KV_CACHE_BYTES
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.kernels import gemv, ops, pdl
+from raypaged.kernels.kv_quant import check_kv_cache_device, resolve_kv_cache_dtype
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
 from raypaged.model.llama import LlamaForCausalLM
@@ -61,6 +62,8 @@ class Worker:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
         self.dtype = resolve_dtype(config.model_settings.dtype, self.device)
+        # What the KV pool holds: the model's dtype, or FP8 (one byte a value).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
         # The engine's token budget per step, told in determine_num_blocks: no piecewise graph
@@ -80,18 +83,24 @@ class Worker:
         else:
             parallel.reset_tensor_parallel()
         torch.manual_seed(self.config.model_settings.seed)
+        check_kv_cache_device(self.kv_cache_dtype, self.device)
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, dtype=self.dtype, device=self.device,
                                 load_format=self.config.model_settings.load_format,
                                 seed=self.config.model_settings.seed,
-                                quantization=self.config.model_settings.quantization)
+                                quantization=self.config.model_settings.quantization,
+                                kv_cache_dtype=self.config.cache.kv_cache_dtype)
 
     def bytes_per_block(self) -> int:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * mc.num_hidden_layers * self.config.scheduler.block_size * kv_heads * mc.head_dim * element
+
+    def kv_cache_sizes(self) -> tuple[int, int]:
+        """(bytes of one KV block, bytes of one cached value) on this rank."""
+        return self.bytes_per_block(), torch.tensor([], dtype=self.kv_cache_dtype).element_size()
 
     def num_host_blocks(self) -> int:
         """Blocks of this rank's host tier (cache.kv_offload_size GiB); the engine takes the
@@ -130,8 +139,9 @@ class Worker:
 
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
-        caches = [(torch.zeros(1, self.config.scheduler.block_size, kv_heads, mc.head_dim, dtype=self.dtype,
-                               device=self.device),) * 2 for _ in range(mc.num_hidden_layers)]
+        caches = [(torch.zeros(1, self.config.scheduler.block_size, kv_heads, mc.head_dim,
+                               dtype=self.kv_cache_dtype, device=self.device),) * 2
+                  for _ in range(mc.num_hidden_layers)]
         num_seqs = min(self.config.scheduler.max_num_seqs, num_tokens)
         per_seq = num_tokens // num_seqs
         width = -(-per_seq // self.config.scheduler.block_size)
@@ -160,8 +170,8 @@ class Worker:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
         shape = (num_blocks, self.config.scheduler.block_size, kv_heads, mc.head_dim)
-        kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                      torch.zeros(shape, dtype=self.dtype, device=self.device))
+        kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                      torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                      for _ in range(mc.num_hidden_layers)]
         self.runner = ModelRunner(self._loaded_model(), kv_caches, self.config.scheduler.block_size, max_model_len,
                                   vocab_size=mc.vocab_size, device=self.device, is_driver=self.rank == 0,
@@ -176,7 +186,8 @@ class Worker:
             from raypaged.kernels.warmup import warm_up_attention
 
             kinds = [(mc.window_of(i), mc.attn_logit_softcapping) for i in range(mc.num_hidden_layers)]
-            seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size, kinds)
+            seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size, kinds,
+                                        query_dtype=self.dtype)
             logger.info("attention kernels compiled in %.1f s", seconds)
 
     def _loaded_model(self) -> LlamaForCausalLM:

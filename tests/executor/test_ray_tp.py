@@ -222,3 +222,24 @@ def test_prompt_logprobs_and_logit_bias_under_tp2():
         token = prompts[0][i + 1]
         assert abs(entry[token] - expected[i, token].item()) < 1e-4
         assert set(entry) == set(expected[i].topk(2).indices.tolist()) | {token}
+
+
+def test_fp8_kv_cache_under_tp2_equals_tp1():
+    """Each rank's FP8 pool holds its KV heads, quantized with the same per-layer scales (read by
+    every rank from the checkpoint): TP 2's tokens are TP 1's, with prefix caching, chunking and
+    n = 2 forks."""
+    from tests.support.kv_scale_checkpoints import kv_scaled_dir
+
+    vocab = vocab_of("llama")
+    prompts = random_prompts([9, 20, 3], vocab, seed=41, prefix=random_prompts([16], vocab, seed=40)[0])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(str(kv_scaled_dir()), tensor_parallel_size=tp, kv_cache_dtype="fp8", block_size=8,
+                  enable_prefix_caching=True, max_num_batched_tokens=16)
+        try:
+            outputs.append([[s.token_ids for s in r.outputs]
+                            for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
