@@ -8,6 +8,10 @@ Achieved bandwidth = (weight + input + output bytes) / time, against a device-to
 the same run. At --tune-rows it sweeps block sizes, warps and stages per shape and records every
 timing; at --rows it times the best config found (and the current default) against cuBLAS.
 Writes gemv_<device>.json and a PNG under --out; `--replot JSON` redraws a saved run's PNG.
+--fp8: each linear with an e4m3 weight instead, at each --rows: the weight-only skinny kernel
+(kernels/gemv_fp8.py, its default config) against W8A8 as the larger steps run it (the rows'
+quantization kernel + torch._scaled_mm) and bf16 cuBLAS, bandwidth by each one's own bytes ->
+gemv_fp8_<device>.json.
 """
 
 from __future__ import annotations
@@ -151,6 +155,52 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 as the larger FP8 steps run it: the rows' quantization kernel, then cuBLASLt FP8."""
+    from raypaged.kernels.fp8_quant import quantize_fp8_triton
+
+    xq, x_scale = quantize_fp8_triton(x)
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+
+
+def fp8_rows(args: argparse.Namespace, result: dict) -> None:
+    """--fp8: per linear and row count, W8A16 skinny kernel vs W8A8 (_scaled_mm) vs bf16 cuBLAS."""
+    for name, (n, k) in weight_shapes(args.shape, args.tp).items():
+        for rows in [int(r) for r in args.rows.split(",")]:
+            row = _fp8_row(name, n, k, rows)
+            result["rows"].append(row)
+            log(f"{name:8s} rows {rows:2d}: W8A16 {row['w8a16_TBps']:.2f} TB/s ({row['w8a16_us']:.1f} us), "
+                f"W8A8 {row['w8a8_scaled_mm_TBps']:.2f} ({row['w8a8_scaled_mm_us']:.1f} us), bf16 cuBLAS "
+                f"{row['cublas_bf16_TBps']:.2f} ({row['cublas_bf16_us']:.1f} us); "
+                f"error {row['w8a16_rel_error']:.1e}")
+            torch.cuda.empty_cache()
+
+
+def _fp8_row(name: str, n: int, k: int, rows: int) -> dict:
+    from raypaged.kernels.gemv import default_config
+    from raypaged.kernels.gemv_fp8 import gemv_w8a16, w8a16_config
+    from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
+
+    case = Case(n, k, rows)
+    quantized = [quantize_weight(w) for w in case.weights]
+    config = w8a16_config(case.x[0], quantized[0][0]) or default_config(n, k, 1, rows=rows)
+    exact = weight_only_matmul_reference(case.x[0], *quantized[0])
+    ours = gemv_w8a16(case.x[0], *quantized[0], None, config).float()
+    row = {"linear": name, "out": n, "in": k, "rows": rows, "w8a16_config": config,
+           "w8a16_rel_error": ((ours - exact).abs().max() / exact.abs().max()).item()}
+    fp8_bytes = n * k + rows * (k + n) * DTYPE.itemsize
+    timed = {
+        "cublas_bf16": (case.time(F.linear), case.bytes),
+        "w8a16": (graph_time(lambda i: gemv_w8a16(case.x[i], *quantized[i], None, config),
+                             case.variants, calls=24, replays=15), fp8_bytes),
+        "w8a8_scaled_mm": (graph_time(lambda i: _w8a8(case.x[i], *quantized[i]),
+                                      case.variants, calls=24, replays=15), fp8_bytes),
+    }  # fmt: skip
+    for label, (seconds, size) in timed.items():
+        row[f"{label}_us"], row[f"{label}_TBps"] = seconds * 1e6, size / seconds / 1e12
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -161,6 +211,7 @@ def main() -> int:
     parser.add_argument("--table", type=Path, default=None,
                         help="record the --tune-rows winners (kernel config or cuBLAS) in this "
                              "tuned table, e.g. raypaged/kernels/configs/gemv_nvidia_h200.json")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 weights: W8A16 kernel vs W8A8 vs bf16")
     add_replot_argument(parser)
     args = parser.parse_args()
     if args.replot is not None:
@@ -174,7 +225,13 @@ def main() -> int:
               "sweeps": {}, "rows": []}
     log(result["env"], f"copy {result['copy_TBps']:.3f} TB/s")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / (f"gemv_{device_tag()}" + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
+    stem = f"gemv_{'fp8_' if args.fp8 else ''}{device_tag()}"
+    path = args.out / (stem + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
+    if args.fp8:
+        fp8_rows(args, result)
+        path.write_text(json.dumps(result, indent=1))
+        log(f"wrote {path}")
+        return 0
     tune_rows = [int(r) for r in args.tune_rows.split(",") if r]
     for name, (n, k) in weight_shapes(args.shape, args.tp).items():
         best: dict[int, dict] = {}

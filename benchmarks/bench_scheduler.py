@@ -3,6 +3,8 @@
 
     python -m benchmarks.bench_scheduler            # table + benchmarks/results/scheduler_cpu.json
     python -m benchmarks.bench_scheduler --profile  # cProfile of the timed steps, top functions
+    python -m benchmarks.bench_scheduler --mode hash # the prefix cache's hash chain, builtin vs
+                                                     # sha256, salted requests: scheduler_hash_cpu.json
 
 Cases: short and long contexts (per-step cost must not grow with context length), prefix caching
 on and off (on: a request that fills a block hashes it into the prefix cache; with staggered
@@ -58,7 +60,8 @@ def fake_runner_output(scheduler: Scheduler, scheduler_output: SchedulerOutput,
 
 
 def build(num_requests: int, prompt_len: int, max_tokens: int, prefix_caching: bool,
-          rng: random.Random, async_scheduling: bool = False) -> Scheduler:
+          rng: random.Random, async_scheduling: bool = False, hash_algo: str = "sha256",
+          salted: bool = False) -> Scheduler:
     """A scheduler whose num_requests requests have all finished their prefill, each step
     answered before the next (so an AsyncScheduler ends with nothing in flight). Prompt lengths
     are staggered over a block so that every step 1/BLOCK_SIZE of the requests fill a block (as in
@@ -68,11 +71,13 @@ def build(num_requests: int, prompt_len: int, max_tokens: int, prefix_caching: b
     scheduler = make_scheduler(SchedulerConfig(
         num_blocks=num_requests * blocks_per_request + 16, block_size=BLOCK_SIZE,
         max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=max_model_len,
-        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling))
+        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
+        prefix_caching_hash_algo=hash_algo))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_requests):
         prompt = [rng.randrange(1, 32000) for _ in range(prompt_len + i % BLOCK_SIZE)]
-        scheduler.add_request(Request(f"req-{i}", prompt, params, eos_token_id=0))
+        scheduler.add_request(Request(f"req-{i}", prompt, params, eos_token_id=0,
+                                      cache_salt=f"tenant-{i % 8}" if salted else None))
     while scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         out = scheduler.schedule()
         scheduler.update_from_output(out, fake_runner_output(scheduler, out, rng))
@@ -96,13 +101,14 @@ def decode_answer(scheduler_output: SchedulerOutput, rng: random.Random) -> Mode
 
 def measure(num_requests: int, prompt_len: int, num_steps: int, prefix_caching: bool,
             gc_freeze: bool = False, profile: cProfile.Profile | None = None,
-            async_scheduling: bool = False) -> dict:
+            async_scheduling: bool = False, hash_algo: str = "sha256", salted: bool = False) -> dict:
     """Per step: wall time, and this thread's CPU time (what the step costs when other
     processes share the cores, as on a busy 2-core machine)."""
     rng = random.Random(0)
     # Requests that finish prefill early decode while the rest prefill: leave them room.
     max_tokens = num_steps + 2 * num_requests * prompt_len // 8192 + 16
-    scheduler = build(num_requests, prompt_len, max_tokens, prefix_caching, rng, async_scheduling)
+    scheduler = build(num_requests, prompt_len, max_tokens, prefix_caching, rng, async_scheduling,
+                      hash_algo, salted)
     # Built one step at a time; from here (nothing in flight) the steps overlap if asked.
     answered = None
     if async_scheduling:
@@ -142,7 +148,7 @@ def measure(num_requests: int, prompt_len: int, num_steps: int, prefix_caching: 
         gc.unfreeze()
     return {"num_requests": num_requests, "prompt_len": prompt_len, "num_steps": num_steps,
             "prefix_caching": prefix_caching, "gc_freeze": gc_freeze,
-            "async_scheduling": async_scheduling,
+            "async_scheduling": async_scheduling, "hash_algo": hash_algo, "salted": salted,
             **{f"{k}_us": summary(v) for k, v in times.items()}}
 
 
@@ -168,6 +174,41 @@ def output_batch_cost(num_requests: int, repeats: int = 200) -> dict[str, dict]:
     return {"batch": summary(batch_times), "objects": summary(object_times)}
 
 
+def block_hash_cost(repeats: int = 20000) -> dict[str, float]:
+    """Nanoseconds to chain one full block of 16 tokens with a salt, per algorithm."""
+    from raypaged.core.block_hashing import HASH_ALGOS, block_hasher
+
+    tokens, keys, result = tuple(range(1000, 1000 + BLOCK_SIZE)), ("tenant-0",), {}
+    for algo in HASH_ALGOS:
+        hasher, parent = block_hasher(algo), 12345
+        t0 = time.perf_counter_ns()
+        for _ in range(repeats):
+            parent = hasher(parent, tokens, keys)
+        result[algo] = (time.perf_counter_ns() - t0) / repeats
+    return result
+
+
+def hash_cost(args: argparse.Namespace) -> int:
+    """The step with prefix caching on (gc frozen, async and sync), every request salted, under
+    each hash algorithm; 1/16 of the requests fill (and hash) a block every step."""
+    results = [measure(args.requests, 128, args.steps, True, True, async_scheduling=overlap,
+                       hash_algo=algo, salted=True)
+               for overlap in (False, True) for algo in ("builtin", "sha256")]
+    per_block = block_hash_cost()
+    print(f"one block of {BLOCK_SIZE} tokens, salted: " +
+          ", ".join(f"{algo} {ns:.0f} ns" for algo, ns in per_block.items()))
+    print(f"{'sched':>5} {'hash':>8} | step wall us: {'mean':>6} {'p50':>6} | step CPU us p50")
+    for r in results:
+        print(f"{'async' if r['async_scheduling'] else 'sync':>5} {r['hash_algo']:>8} | "
+              f"{r['step_us']['mean']:>20.0f} {r['step_us']['p50']:>6.0f} | {r['step_cpu_us']['p50']:>6.0f}")
+    report = {"benchmark": "scheduler decode step, prefix-cache hash chain builtin vs sha256 (salted)",
+              "environment": environment(), "block_hash_ns": per_block, "results": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def environment() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -191,8 +232,15 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scheduler_cpu.json"))
+    parser.add_argument("--mode", choices=("step", "hash"), default="step")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/scheduler_cpu.json (--mode hash: scheduler_hash_cpu.json)")
     args = parser.parse_args()
+    if args.out is None:
+        name = "scheduler_hash_cpu.json" if args.mode == "hash" else "scheduler_cpu.json"
+        args.out = os.path.join(os.path.dirname(__file__), "results", name)
+    if args.mode == "hash":
+        return hash_cost(args)
 
     if args.profile:
         profile = cProfile.Profile()

@@ -15,13 +15,26 @@ its output length and ignore_eos, so every request generates exactly that. Reque
 --max-total-len are dropped, as vLLM's benchmark drops ShareGPT's past 2,048 (scripts/gpu.sh
 serving does the same; the CPU default, 512, keeps its tails short).
 
+--trace multitenant: the chat trace over --system-prompts tenants' prompts (default 4), against
+two data-parallel replicas (`--data-parallel-size 2`) in modes prefix, p2c and round-robin (the
+`--routing-policy`), and one-engine: one replica with the pool of both (the hit rate the router
+should come near). Per mode, from the server's per-replica metrics, each replica's share of the
+requests and prefix-hit rate. On one GPU the two engines share the card (`--gpu-memory-utilization
+0.45` each, after `--`).
+
 --trace multiturn: modes prefix-cache and no-prefix-cache (`--no-enable-prefix-caching`), both
-paged. At each rate conversations begin at Poisson times (conversations per second) for
---arrival-window-s, sharing one system prompt; each turn resends the whole history with the
-replies as streamed back, after a think time (serving_chat.py says exactly how). The defaults
-are CPU-sized for the demo model's 1,024-token context (system prompt 128, user messages ≈ 24
-and replies ≈ 32 tokens, 3–8 turns, capped at the model's context, 0.5 / 1 / 2 conversations a
-second for 20 s); scripts/gpu.sh serving-multiturn runs 500 / 100 / 200.
+paged; `--modes prefix-cache,host-tier` compares the prefix cache without and with a host tier
+of KV blocks behind the pool (`--kv-offload-size`; host-tier-swap adds swap preemption), at a pool
+(`--num-kv-blocks`) a few times smaller than the trace's reusable KV: per rate, the tokens the
+host tier served and the bytes moved each way, against the host-device copy bandwidth measured
+at the start (pinned memory, CUDA only). At each rate conversations begin at Poisson times
+(conversations per second) for --arrival-window-s, sharing one system prompt; each turn resends
+the whole history with the replies as streamed back, after a think time (serving_chat.py says
+exactly how). The defaults are CPU-sized for the demo model's 1,024-token context (system
+prompt 128, user messages ≈ 24 and replies ≈ 32 tokens, 3–8 turns, capped at the model's
+context, 0.5 / 1 / 2 conversations a second for 20 s); scripts/gpu.sh serving-multiturn runs
+500 / 100 / 200, and serving-host-tier the same trace at a pool a few times smaller than its
+reusable KV, the host tier off and on.
 
 Per rate, as the client sees it: TTFT (send → first token), inter-token latency (the gap before
 each streamed chunk, split over the chunk's tokens), TPOT ((E2E − TTFT) / (tokens − 1)), E2E;
@@ -55,6 +68,7 @@ from benchmarks.lib.common import (
     SHAPES,
     device_tag,
     environment,
+    pinned_copy_bandwidth,
     write_config,
     write_json,
 )
@@ -63,12 +77,15 @@ from benchmarks.serving_chat import ChatLoad, ChatShape, conversations_at, plan_
 from benchmarks.serving_load import Load, RequestLoad, drive, fresh_prompts, send
 from benchmarks.serving_report import (
     KV_GAUGES,
+    host_tier_summary,
     kv_summary,
     max_rate_meeting,
     prefix_cache_summary,
+    print_host_tier,
     print_rate,
     print_table,
     rate_unit,
+    replica_summary,
     save_plot,
     should_stop,
     summarize_rate,
@@ -77,21 +94,33 @@ from benchmarks.soak import LaunchedServer, scrape
 from raypaged.client import Client
 from raypaged.frontend.server import ServerConfig
 
-# Each trace's two modes, and the flags that make a server of each (after the user's, so they win).
-TRACE_MODES = {"sharegpt": ("paged", "contiguous"), "multiturn": ("prefix-cache", "no-prefix-cache")}
+# Each trace's modes (the first two run by default; multitenant: all four), and the flags that make
+# a server of each (after the user's, so they win). The host-tier modes also get --kv-offload-size.
+TRACE_MODES = {"sharegpt": ("paged", "contiguous"),
+               "multiturn": ("prefix-cache", "no-prefix-cache", "host-tier", "host-tier-swap"),
+               "multitenant": ("prefix", "p2c", "round-robin", "one-engine")}
 MODE_FLAGS = {
     "paged": ["--kv-cache-mode", "paged"],
     "contiguous": ["--kv-cache-mode", "contiguous"],
     "prefix-cache": ["--kv-cache-mode", "paged", "--enable-prefix-caching"],
     "no-prefix-cache": ["--kv-cache-mode", "paged", "--no-enable-prefix-caching"],
+    "host-tier": ["--kv-cache-mode", "paged", "--enable-prefix-caching", "--preemption-mode", "recompute"],
+    "host-tier-swap": ["--kv-cache-mode", "paged", "--enable-prefix-caching", "--preemption-mode", "swap"],
+    "prefix": ["--data-parallel-size", "2", "--routing-policy", "prefix"],
+    "p2c": ["--data-parallel-size", "2", "--routing-policy", "p2c"],
+    "round-robin": ["--data-parallel-size", "2", "--routing-policy", "round_robin"],
+    "one-engine": ["--data-parallel-size", "1"],
 }
+# Replicas of a mode: one-engine gets the pool of all of them (its block count times this).
+MODE_REPLICAS = {"prefix": 2, "p2c": 2, "round-robin": 2}
+HOST_TIER_CPU_GIB = 0.25
 # The demo model's context is 1,024 tokens: one contiguous reservation is 64 blocks of 16.
 # 256 blocks hold four reservations, the regime bench_throughput's CPU run uses too. The chat
 # trace has no contiguous mode: on CPU it keeps the server's default pool, where thinking
 # conversations' histories stay cached.
 CPU_NUM_KV_BLOCKS = 256
 # On the demo model on 2 cores the chat trace's default shape saturates the CPU at ~1 conversation a second.
-DEFAULT_RATES = {"sharegpt": "1,2,4,8,16,32", "multiturn": "0.5,1,2"}
+DEFAULT_RATES = {"sharegpt": "1,2,4,8,16,32", "multiturn": "0.5,1,2", "multitenant": "1"}
 SHAREGPT_CPU_MAX_TOTAL_LEN = 512
 
 
@@ -113,7 +142,7 @@ def make_load(args: argparse.Namespace, info, seed: int, warm_up_count: int = 0)
     window_s = warm_up_count / min(args.rates) if warm_up_count else args.arrival_window_s
     count = max(conversations_at(rate, window_s) for rate in args.rates)
     return ChatLoad(plan_conversations(count, args.chat_shape, cap, seed), args.chat_shape, cap,
-                    info.vocab_size, seed, window_s)
+                    info.vocab_size, seed, window_s, args.system_prompts)
 
 
 # ---- KV memory from the server's metrics --------------------------------------------------------
@@ -168,6 +197,8 @@ def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argpar
     preemptions = "raypaged_num_preemptions_total"
     result["preemptions"] = after.get(preemptions, 0) - before.get(preemptions, 0)
     result["prefix_cache"] = prefix_cache_summary(before, after, ran.timings)
+    result["replicas"] = replica_summary(before, after)
+    result["host_tier"] = host_tier_summary(before, after, ran.wall_s)
     result["kv"] = kv_summary(samples, info.block_size)
     result["kv_samples"] = samples
     return result
@@ -187,8 +218,12 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
              args: argparse.Namespace, record: dict, save) -> None:
     """One server in `mode`; the rates ascending until one passes --stop-ttft-s."""
     flags = [*launch_args, *MODE_FLAGS[mode]]
+    if mode.startswith("host-tier"):
+        flags += ["--kv-offload-size", str(args.kv_offload_size)]
     if num_blocks:
-        flags += ["--num-gpu-blocks-override", str(num_blocks)]
+        # The pool of every replica together: one engine with it all, or an equal share each.
+        total = num_blocks * (1 if mode in MODE_REPLICAS else 2 if args.trace == "multitenant" else 1)
+        flags += ["--num-gpu-blocks-override", str(total)]
     started = time.perf_counter()
     server = LaunchedServer(flags)
     try:
@@ -296,6 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "them); a few conversations long, so the load reaches its level")
     chat.add_argument("--system-prompt-len", type=int, default=128,
                       help="tokens of the system prompt every conversation shares")
+    chat.add_argument("--system-prompts", type=int, default=None,
+                      help="tenants' system prompts, conversation i uses prompt i mod this "
+                           "(default 1; --trace multitenant 4)")
     chat.add_argument("--user-turn-mean", type=float, default=24.0,
                       help="mean tokens of a user message (lognormal)")
     chat.add_argument("--reply-mean", type=float, default=32.0,
@@ -309,8 +347,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "for sharegpt, the server's own for multiturn; on CUDA the first "
                              "server's profiled pool)")
     parser.add_argument("--modes", default=None,
-                        help="comma list, of the trace's two (default both: "
-                             + "; ".join(f"{t}: {','.join(m)}" for t, m in TRACE_MODES.items()) + ")")
+                        help="comma list, of the trace's modes (default its first two: "
+                             + "; ".join(f"{t}: {','.join(m)}" for t, m in TRACE_MODES.items())
+                             + "). host-tier: prefix caching with a host tier of "
+                             "--kv-offload-size GiB behind the pool (-swap: and swap preemption); "
+                             "it pays when the trace's reusable KV outgrows the pool (--num-kv-blocks)")
+    parser.add_argument("--kv-offload-size", type=float, default=HOST_TIER_CPU_GIB,
+                        help="GiB per rank of the host-tier modes' host pool")
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)
     parser.add_argument("--stop-ttft-s", type=float, default=10.0,
                         help="stop a mode's sweep after a rate whose p99 TTFT passes this")
@@ -333,10 +376,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.rates or min(args.rates) <= 0:
         parser.error("--rates: positive numbers")
     modes = TRACE_MODES[args.trace]
-    args.modes = [m for m in args.modes.split(",") if m] if args.modes else list(modes)
+    default_modes = modes if args.trace == "multitenant" else modes[:2]
+    args.modes = [m for m in args.modes.split(",") if m] if args.modes else list(default_modes)
     if not args.modes or any(m not in modes for m in args.modes):
         parser.error(f"--modes with --trace {args.trace}: a comma list of {', '.join(modes)}")
     args.launch_args = [a for a in args.launch_args if a != "--"]
+    if args.system_prompts is None:
+        args.system_prompts = 4 if args.trace == "multitenant" else 1
     if args.max_total_len is None and args.trace == "sharegpt":
         args.max_total_len = SHAREGPT_CPU_MAX_TOTAL_LEN
     args.max_total_len = args.max_total_len or None
@@ -344,7 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         low, high = (int(t) for t in args.turns.split(","))
         args.chat_shape = ChatShape(args.system_prompt_len, args.user_turn_mean, args.reply_mean,
                                     low, high, args.think_time_s)
-        if args.trace == "multiturn":  # against max_model_len too, once the server says it
+        if args.trace != "sharegpt":  # against max_model_len too, once the server says it
             args.chat_shape.validate(args.max_total_len or args.system_prompt_len + 2)
     except ValueError as e:
         parser.error(f"--trace multiturn: {e}")
@@ -358,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_blocks = CPU_NUM_KV_BLOCKS if args.trace == "sharegpt" else None
     num_blocks = args.num_kv_blocks or (None if on_cuda else cpu_blocks)
     model = args.shape or "demo"
-    name = args.name or f"{model}{'-multiturn' if args.trace == 'multiturn' else ''}_{device_tag()}"
+    suffix = f"-{args.trace}" if args.trace != "sharegpt" else ""
+    name = args.name or f"{model}{suffix}_{device_tag()}"
     record: dict = {"env": environment(), "load_average_1_5_15min_at_start": os.getloadavg(),
                     "model": model, "trace": args.trace,
                     "args": {k: v for k, v in vars(args).items() if k != "chat_shape"},
@@ -370,13 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         record["load_average_1_5_15min_at_end"] = os.getloadavg()
         return write_json(f"serving_{name}", record, Path(args.out) if args.out else None)
 
+    if on_cuda and any(m.startswith("host-tier") for m in args.modes):
+        record["host_device_copy_gb_per_s"] = pinned_copy_bandwidth()  # what the tier's bytes compare to
     with tempfile.TemporaryDirectory() as tmp:
         launch_args = model_launch_args(args, Path(tmp)) + args.launch_args
         for mode in args.modes:
             run_mode(mode, launch_args, num_blocks, args, record, save)
-            num_blocks = record[mode]["num_kv_blocks"]  # the next mode gets exactly this pool
+            # The next mode gets exactly this pool (per replica: info reports replica 0's).
+            num_blocks = record[mode]["num_kv_blocks"]
+            if args.trace == "multitenant" and mode not in MODE_REPLICAS:
+                num_blocks //= 2
     path = save()
     print_table(record, args.modes, args.slo_ttft_s)
+    print_host_tier(record, args.modes)
     save_plot(record, args.modes, args.slo_ttft_s, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name} in {record['wall_seconds']:.0f} s")
     return 0

@@ -3,6 +3,7 @@ goes while the engine serves them (issue 8's "Offline throughput" and "Memory" b
 
     python -m benchmarks.bench_throughput       # CPU-sized: a tiny random Llama, 32 requests
     bash scripts/gpu.sh throughput              # the H200 run: 8B-shaped, bf16, 1,000 requests
+    python -m benchmarks.bench_throughput --shape 8b --kv-capacity auto,fp8   # KV capacity only
 
 The requests come from the simulator's seeded ShareGPT-like trace (prompt ≈ 160 and output ≈ 340
 tokens on average, lognormal long tails, clipped to max_model_len), all there at the start; each
@@ -17,7 +18,11 @@ generates exactly its output length (ignore_eos). They run through
     favours transformers: the steps it skips are those where most rows are already done).
 Every --stats-every engine steps the scheduler's KVCacheStats are sampled: pool usage, filled and
 allocated slots, prefix-sharing savings. Writes benchmarks/results/throughput_<shape>_<device>.json
-and a PNG beside it.
+and a PNG beside it. --kv-cache-dtype runs both modes on that KV pool (fp8: one byte a value).
+
+--kv-capacity DTYPES answers the capacity question instead (benchmarks/lib/kv_capacity.py): per KV
+dtype, the profiled pool's blocks and the largest batch of --capacity-context-token requests that
+fits, checked by running one more than that; writes kv_capacity_<shape>_<device>.json.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.lib import kv_capacity
 from benchmarks.lib.common import (
     SHAPES,
     device_tag,
@@ -43,6 +49,7 @@ from benchmarks.lib.common import (
     write_json,
 )
 from raypaged import LLM, SamplingParams
+from raypaged.config.sections import KV_CACHE_DTYPES, kv_cache_value_bytes
 from raypaged.core.request import Request
 from raypaged.simulator.traces import make_trace
 
@@ -293,6 +300,15 @@ def parse_args() -> argparse.Namespace:
                         help="torch threads on CPU (default 1: on a small shared machine more "
                              "threads spin against each other and every figure gets noisy)")
     parser.add_argument("--out", default=None, help="directory for the JSON and PNG")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="what the KV pool holds in the throughput modes")
+    parser.add_argument("--kv-capacity", default=None,
+                        help="comma list of KV dtypes (e.g. auto,fp8): measure the pool's capacity "
+                             "at each instead of the throughput")
+    parser.add_argument("--capacity-context", type=int, default=8192,
+                        help="tokens of each request in the capacity batch")
+    parser.add_argument("--capacity-run", action=argparse.BooleanOptionalAction, default=True,
+                        help="check the capacity by running fits + 1 such requests at once")
     return parser.parse_args()
 
 
@@ -305,7 +321,7 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, dtype_name: s
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
               num_gpu_blocks_override=num_blocks, kv_cache_mode=mode,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
     init_seconds = time.perf_counter() - start
     try:
         result = run_engine(llm, requests, args.stats_every, device)
@@ -345,6 +361,8 @@ def main() -> int:
         torch.set_num_threads(args.cpu_threads)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     shape = SHAPES[args.shape]
+    if args.kv_capacity:
+        return measure_capacity(args, dtype_name, device)
     max_model_len = args.max_model_len or shape["max_position_embeddings"]
     requests = sharegpt_requests(args.num_requests, max_model_len, shape["vocab_size"], args.seed,
                                  args.max_total_len)
@@ -389,6 +407,34 @@ def main() -> int:
     print_table(result, modes)
     if set(MODES) <= set(modes):
         save_plot(result, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def measure_capacity(args: argparse.Namespace, dtype_name: str, device: torch.device) -> int:
+    """The --kv-capacity run: each KV dtype's pool, on the same model and memory settings."""
+    dtypes = [d for d in args.kv_capacity.split(",") if d]
+    if not dtypes or any(d not in KV_CACHE_DTYPES for d in dtypes):
+        raise SystemExit(f"--kv-capacity: a comma list of {', '.join(KV_CACHE_DTYPES)}")
+    # Without profiling (CPU, or --num-kv-blocks): the memory of that many blocks of the model's
+    # dtype, which a 1-byte pool fills with proportionally more.
+    blocks = args.num_kv_blocks or (CPU_NUM_KV_BLOCKS if device.type == "cpu" else None)
+    model_bytes = torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()
+    result: dict = {"env": environment(), "shape": args.shape, "dtype": dtype_name, "args": vars(args),
+                    "results": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(args.shape, dtype_name, Path(tmp))
+        for kv in dtypes:
+            pool = None if blocks is None else blocks * model_bytes // kv_cache_value_bytes(kv, model_bytes)
+            result["results"].append(kv_capacity.measure(
+                model_dir, kv, dtype_name, args.capacity_context, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+                num_kv_blocks=pool, vocab_size=int(SHAPES[args.shape]["vocab_size"]),
+                run_batch=args.capacity_run))
+            release_memory(device)
+            print(result["results"][-1], flush=True)
+    kv_capacity.print_table(result["results"])
+    path = write_json(f"kv_capacity_{args.shape}_{device_tag()}", result, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0
 

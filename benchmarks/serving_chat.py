@@ -17,6 +17,10 @@ brings about r x window of them: the plan's first ones, the same at every rate. 
 of conversations would stop loading the server at high rates: once all have begun, the load is
 that many closed loops whatever the rate; the window should be a few conversations long.)
 
+Several system prompts (`--system-prompts K`, the multi-tenant trace of `--trace multitenant`):
+conversation i uses prompt i mod K, each drawn once from the seed like the single one (prompt 0
+is the single trace's).
+
 Token ids: the system prompt's are drawn once from the seed (the same prompt in every
 conversation and at every rate: the cache may serve it, as a real deployment's would); the user
 messages' anew at every rate, so that the cache can serve the system prompt and each
@@ -107,9 +111,9 @@ def random_ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_ID, vocab_size) for _ in range(length)]
 
 
-def system_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
-    """The one system prompt of every conversation, from the seed alone."""
-    return random_ids(random.Random(f"system:{seed}"), length, vocab_size)
+def system_prompt(length: int, vocab_size: int, seed: int, index: int = 0) -> list[int]:
+    """System prompt `index` (of every conversation, with one), from the seed alone."""
+    return random_ids(random.Random(f"system:{seed}" + (f":{index}" if index else "")), length, vocab_size)
 
 
 def user_messages(conversations: list[Conversation], vocab_size: int, seed: str) -> list[list[list[int]]]:
@@ -182,17 +186,17 @@ class ChatLoad(Load):
     unit = "conversations"
 
     def __init__(self, conversations: list[Conversation], shape: ChatShape, max_total_len: int,
-                 vocab_size: int, seed: int, window_s: float) -> None:
+                 vocab_size: int, seed: int, window_s: float, num_system_prompts: int = 1) -> None:
         self.conversations, self.shape, self.max_total_len = conversations, shape, max_total_len
         self.vocab_size, self.seed, self.window_s = vocab_size, seed, window_s
-        self.system = system_prompt(shape.system_len, vocab_size, seed)
+        self.systems = [system_prompt(shape.system_len, vocab_size, seed, k) for k in range(num_system_prompts)]
 
     def arrival_span_s(self, rate: float) -> float:
         return self.window_s
 
     def summary(self) -> dict:
         return {**plan_summary(self.conversations, self.shape, self.max_total_len),
-                "arrival_window_s": self.window_s}
+                "arrival_window_s": self.window_s, "system_prompts": len(self.systems)}
 
     async def run(self, address: str, rate: float, channels: int) -> LoadResult:
         count = conversations_at(rate, self.window_s)
@@ -202,7 +206,7 @@ class ChatLoad(Load):
         users = user_messages(conversations, self.vocab_size, f"users:{self.seed}:{rate}")
         offsets = poisson_offsets(count, rate, f"conversations:{self.seed}:{rate}")
         runs, wall_s = await drive(address, offsets, channels, lambda client, i, due: converse(
-            client, self.system, conversations[i], users[i], due))
+            client, self.systems[i % len(self.systems)], conversations[i], users[i], due))
         return LoadResult([t for run in runs for t in run.timings], wall_s,
                           conversation_summary(conversations, runs, wall_s))
 

@@ -118,6 +118,31 @@ def prefix_cache_summary(before: dict[str, float], after: dict[str, float],
     }
 
 
+def replica_summary(before: dict[str, float], after: dict[str, float]) -> list[dict] | None:
+    """Per data-parallel replica over a rate, from the server's raypaged_dp_* counters: requests
+    routed there (and their share), prompt blocks the router saw cached there when it chose, and
+    the replica's own prefix-cache hit rate. None for a server of one engine."""
+    replicas = sorted({key.split("replica=")[1] for key in after if key.startswith("raypaged_dp_routed_requests")},
+                      key=int)
+    if not replicas:
+        return None
+
+    def delta(name: str, replica: str) -> float:
+        key = f"raypaged_dp_{name}_total,replica={replica}"
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    routed = {r: delta("routed_requests", r) for r in replicas}
+    total = sum(routed.values()) or 1.0
+    rows = []
+    for r in replicas:
+        queries, hits = delta("prefix_cache_queries", r), delta("prefix_cache_hits", r)
+        blocks, matched = delta("routed_prompt_blocks", r), delta("routed_matched_blocks", r)
+        rows.append({"replica": int(r), "routed": routed[r], "share": routed[r] / total,
+                     "hit_rate": hits / queries if queries else None,
+                     "router_matched_share": matched / blocks if blocks else None})
+    return rows
+
+
 def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
     done = [t for t in timings if t.error is None]
     output_tokens = sum(t.output_tokens for t in done)
@@ -143,7 +168,7 @@ def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
 
 def rate_unit(record: dict) -> str:
     """What the swept rate counts: requests, or (the multi-turn trace) conversations begun."""
-    return "conv/s" if record.get("trace") == "multiturn" else "req/s"
+    return "conv/s" if record.get("trace") in ("multiturn", "multitenant") else "req/s"
 
 
 def hit_rate(r: dict) -> float | None:
@@ -176,7 +201,7 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    chat = record.get("trace") == "multiturn"
+    chat = record.get("trace") in ("multiturn", "multitenant")
     fig, (ttft, second, tput, running) = plt.subplots(1, 4, figsize=(20, 4.5))
     for mode, color in zip(modes, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         rates = record.get(mode, {}).get("rates", [])
@@ -218,6 +243,33 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
     plt.close(fig)
 
 
+def host_tier_summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """A rate's host tier of KV blocks, from the server's counters: prompt tokens served from the
+    host tier (of the prefix-cache hits), and the bytes copied each way (all ranks), also per
+    second of the rate. Zeros for a server without a host tier."""
+    def delta(name: str) -> float:
+        return after.get(f"raypaged_{name}_total", 0.0) - before.get(f"raypaged_{name}_total", 0.0)
+
+    offloaded, loaded = delta("kv_offloaded_bytes"), delta("kv_loaded_bytes")
+    return {"host_hits": delta("host_cache_hits"), "offloaded_bytes": offloaded, "loaded_bytes": loaded,
+            "offload_gb_per_s": offloaded / wall_s / 1e9 if wall_s else None,
+            "load_gb_per_s": loaded / wall_s / 1e9 if wall_s else None}
+
+
+def print_host_tier(record: dict, modes: list[str]) -> None:
+    """One line per rate of each mode whose host tier moved anything."""
+    bandwidth = record.get("host_device_copy_gb_per_s")
+    for mode in modes:
+        for r in record.get(mode, {}).get("rates", []):
+            tier, hits = r.get("host_tier"), r["prefix_cache"]["hits"]
+            if not tier or not (tier["offloaded_bytes"] or tier["loaded_bytes"]):
+                continue
+            share = f" ({tier['host_hits'] / hits:.0%} of the hits)" if hits else ""
+            print(f"host tier, {mode} at {r['rate']:g}: {tier['host_hits']:,.0f} prompt tokens from host"
+                  f"{share}; {tier['offload_gb_per_s']:.3g} GB/s out, {tier['load_gb_per_s']:.3g} GB/s in"
+                  + (f" (copies measured at {bandwidth})" if bandwidth else ""))
+
+
 def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
     unit = rate_unit(record)
     print(f"\n| mode | {unit} | req/s | out tok/s | TTFT p50 / p99 | ITL p50 / p99 | E2E p50 / p99 "
@@ -235,6 +287,12 @@ def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:
                   f"| {'-' if rate_hits is None else f'{rate_hits:.1%}'} "
                   f"| {kv.get('mean_running', 0):.1f} | {kv.get('mean_pool_usage', 0):.0%} "
                   f"| {kv.get('kv_utilization', 0):.1%} |")
+    for mode in modes:
+        for r in record.get(mode, {}).get("rates", []):
+            if r.get("replicas"):
+                print(f"{mode} at {r['rate']:g} {unit}: " + "; ".join(
+                    f"replica {x['replica']} {x['share']:.0%} of requests, hit rate "
+                    f"{'-' if x['hit_rate'] is None else format(x['hit_rate'], '.1%')}" for x in r["replicas"]))
     for mode in modes:
         mode_record = record.get(mode, {})
         best = mode_record.get("max_rate_under_slo")

@@ -134,12 +134,13 @@ def structured_output_to_proto(spec: StructuredOutput | dict) -> raypaged_pb2.St
     if isinstance(spec, dict):
         spec = StructuredOutput.from_dict(spec)
     kind = spec.kind
+    gate = list(spec.reasoning_end_token_ids)
     if kind == "json":
-        return raypaged_pb2.StructuredOutput(json_schema=spec.json)
+        return raypaged_pb2.StructuredOutput(json_schema=spec.json, reasoning_end_token_ids=gate)
     if kind == "choice":
         return raypaged_pb2.StructuredOutput(choice=raypaged_pb2.StructuredOutput.Choices(
-            choice=list(spec.choice or ())))
-    return raypaged_pb2.StructuredOutput(**{kind: getattr(spec, kind)})
+            choice=list(spec.choice or ())), reasoning_end_token_ids=gate)
+    return raypaged_pb2.StructuredOutput(**{kind: getattr(spec, kind)}, reasoning_end_token_ids=gate)
 
 
 def chunk_from_proto(message: pb.GenerateResponse) -> StreamChunk:

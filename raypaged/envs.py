@@ -16,6 +16,9 @@ RAYPAGED_PDL                1 (default) | 0. 0 turns programmatic dependent laun
 RAYPAGED_GEMM_EPILOGUES     rope,silu (default): the GEMM epilogues that may be fused, comma
                             separated; 0 or empty: none. KernelSettings.gemm_epilogues
                             (`--no-gemm-epilogues`) turns them all off.
+TRITON_INTERPRET            Triton's own switch (1: kernels run in its CPU interpreter), read
+                            here only so the kernels know which they are (the interpreter has
+                            no libdevice); Triton reads it itself.
 RAYPAGED_AUTH_TOKEN         the bearer token `raypaged launch` requires and `raypaged generate
                             --server` sends when --auth-token is not given (unset: none). Read
                             from here so that it never has to appear on a command line.
@@ -29,3 +32,4 @@ RAYPAGED_ATTENTION_BACKEND: str | None = os.environ.get("RAYPAGED_ATTENTION_BACK
 RAYPAGED_PDL: bool = os.environ.get("RAYPAGED_PDL", "1") != "0"
 RAYPAGED_GEMM_EPILOGUES: str = os.environ.get("RAYPAGED_GEMM_EPILOGUES", "rope,silu")
 RAYPAGED_AUTH_TOKEN: str | None = os.environ.get("RAYPAGED_AUTH_TOKEN", "").strip() or None
+TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"

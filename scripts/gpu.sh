@@ -27,16 +27,31 @@
 #   kernels      decode / prefill attention against FlashInfer (the .whl/ wheels, carried) and SDPA:
 #                bandwidth, TFLOP/s, targets -> kernels_h200.json, .png, ~6 (FlashInfer compiles ~2-3)
 #   decode       the 8B engine's decode step at batch 1, 8, 64, 256 -> decode_8b_h200.json, .png, ~3
+#   decode-families  the same at batch 1 and 64 for Qwen3-8B, Gemma-2-9B and Phi-3-medium's shapes
+#                (dummy weights) -> decode_<shape>_h200.json, .png each, ~6 (not yet run)
 #   trace        the same step traced: GPU busy vs wall, kernels -> decode_trace_8b_h200.json, .png, ~2
 #   phases       host phases of a step, in process and through Ray [Ray] -> decode_phases_8b_h200.json, ~3
 #   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
+#   model-fp8    the same with FP8 weights (quantized at load) -> decode_model_fp8_8b_h200.json, ~2
 #   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
+#   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel vs W8A8 _scaled_mm vs bf16
+#                cuBLAS at 1 / 16 / 32 / 64 rows -> gemv_fp8_h200.json, ~2 (not yet run)
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
+#   kvcapacity   the profiled KV pool at bf16 vs FP8 KV: blocks, and the 8k-token requests that fit
+#                (checked by running one more) -> kv_capacity_8b_h200.json, ~5
 #   serving      Poisson arrivals over gRPC, paged vs contiguous [Ray] -> serving_8b_h200.json, .png, ~8
 #   serving-multiturn  multi-turn chat (shared system prompt, whole history resent), prefix caching
 #                on vs off [Ray] -> serving_8b-multiturn_h200.json, .png, ~6
+#   serving-multitenant  8 tenants' system prompts, two data-parallel engines sharing the GPU (0.45 of
+#                its memory each): prefix router vs p2c vs round robin vs one engine with both pools [Ray]
+#                -> serving_8b-multitenant_h200.json, .png, ~9
+#   serving-host-tier  the same chat trace on a pool (7,500 blocks, 15 GiB) a few times smaller than
+#                its reusable KV: prefix caching alone vs with a 48 GiB host tier [Ray]
+#                -> serving_8b-host-tier_h200.json, .png (not yet run)
+#   serving-swap the same, overloaded (rates 4, 8): host tier with recompute vs swap preemption
+#                [Ray] -> serving_8b-swap_h200.json, .png (not yet run)
 #   channel      Ray compiled-graph round trips [Ray] -> ray_channel_gpu.json, ~1
 #   staging      host cost of staging a step's inputs -> staging_h200.json, <1
 #   sampler      the sampler's forward and metadata build -> sampler_h200.json, <1
@@ -52,8 +67,8 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode trace phases model gemv prefill throughput reservation serving
-         serving-multiturn channel staging sampler structured)
+ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 prefill throughput reservation
+         kvcapacity serving serving-multiturn serving-multitenant channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -121,6 +136,13 @@ suite() {
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
             --prompt-len 64 --output-len 32 --out "$OUT_DIR" ;;
+        decode-families) local shape status=0
+            for shape in qwen3-8b gemma2-9b phi3-medium; do
+            bench "decode-$shape" 180 python3 -m benchmarks.bench_decode --mode time --shape "$shape" \
+                --executors uni --scheduling async --batch-sizes 1,64 --context 1024 --steps 50 \
+                --throughput-batch 8 --prompt-len 64 --output-len 32 --out "$OUT_DIR" || status=1
+            done
+            return "$status" ;;
         trace) bench trace 200 python3 -m benchmarks.bench_decode --mode trace --shape 8b --scheduling async \
             --batch-sizes 1,64 --context 1024 --steps 30 --max-num-seqs 64 --max-num-batched-tokens 8192 \
             --out "$OUT_DIR" ;;
@@ -128,7 +150,10 @@ suite() {
             --executors uni,ray --scheduling sync --batch-sizes 1,64 --context 1024 --steps 30 --out "$OUT_DIR" ;;
         model) bench model 150 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
             --context 1024 --out "$OUT_DIR" ;;
+        model-fp8) bench model-fp8 200 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
+            --context 1024 --quantization fp8 --out "$OUT_DIR" ;;
         gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
+        gemv-fp8) bench gemv-fp8 200 python3 -m benchmarks.bench_gemv --fp8 --rows 1,16,32,64 --out "$OUT_DIR" ;;
         prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
         throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \
             --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
@@ -137,6 +162,9 @@ suite() {
         reservation) bench reservation 480 python3 -m benchmarks.bench_throughput --shape 8b-32k \
             --num-requests 1000 --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 0 --out "$OUT_DIR" ;;
+        kvcapacity) bench kvcapacity 560 python3 -m benchmarks.bench_throughput --shape 8b \
+            --kv-capacity auto,fp8 --capacity-context 8192 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --out "$OUT_DIR" ;;
         serving) use_ray && bench serving 560 python3 -m benchmarks.bench_serving --shape 8b --rates 24,40,56 \
             --num-requests 1000 --warmup-rate-requests 200 --max-total-len 2048 --stop-ttft-s 10 \
             --mode-budget-s 200 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
@@ -150,6 +178,24 @@ suite() {
             --trace multiturn --rates 2,4,8 --arrival-window-s 15 --system-prompt-len 500 --user-turn-mean 100 \
             --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 --stop-ttft-s 10 \
             --mode-budget-s 200 --warmup-rate-requests 20 --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
+        # 6,000 blocks a replica (96k tokens): the conversations' ~240k tokens of reusable KV
+        # overflow one replica's pool, so where a history lands decides whether it is still cached.
+        serving-multitenant) use_ray && bench serving-multitenant 560 python3 -m benchmarks.bench_serving --shape 8b \
+            --trace multitenant --rates 4 --arrival-window-s 15 --system-prompts 8 --system-prompt-len 1000 \
+            --user-turn-mean 100 --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 \
+            --num-kv-blocks 6000 --stop-ttft-s 10 --mode-budget-s 130 --warmup-rate-requests 8 --out "$OUT_DIR" \
+            -- --max-model-len 8192 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.45 ;;
+        # The host tier (issue 25): at 128 KiB of KV a token, the ~60 conversations of a 15 s window
+        # reuse ~50 GiB, 3-4x the 7,500-block pool; the host tier holds the rest.
+        serving-host-tier|serving-swap)
+            local modes=prefix-cache,host-tier rates=2,4 name=8b-host-tier_h200
+            [ "$1" = serving-swap ] && modes=host-tier,host-tier-swap rates=4,8 name=8b-swap_h200
+            use_ray && bench "$1" 560 python3 -m benchmarks.bench_serving --shape 8b \
+            --trace multiturn --modes "$modes" --rates "$rates" --arrival-window-s 15 --system-prompt-len 500 \
+            --user-turn-mean 100 --reply-mean 200 --turns 3,8 --think-time-s 1 --max-total-len 4096 \
+            --num-kv-blocks 7500 --kv-offload-size 48 --stop-ttft-s 10 --mode-budget-s 250 \
+            --warmup-rate-requests 20 --name "$name" --out "$OUT_DIR" -- --max-model-len 8192 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 ;;
         channel) use_ray && bench channel 90 python3 -m benchmarks.bench_ray_channel --gpu --out "$OUT_DIR" ;;
         staging) bench staging 60 python3 -m benchmarks.bench_staging ;;

@@ -41,6 +41,23 @@ SHAPES = {
     "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
                  "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 4096,
                  "max_position_embeddings": 2048, "rope_theta": 10000.0},
+    # The 8B-class shapes of the other families (issue 21's byte-floor runs), as their
+    # config.json files give them; dummy weights.
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+                 "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    "gemma2-9b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584,
+                  "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+                  "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+                  "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+                  "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                  "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                  "sliding_window": 4096, "tie_word_embeddings": True},
+    "phi3-medium": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 5120,
+                    "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40,
+                    "num_key_value_heads": 10, "vocab_size": 32064, "max_position_embeddings": 4096,
+                    "rope_theta": 10000.0},
 }
 
 
@@ -49,11 +66,16 @@ def log(*args: object) -> None:
     print(*args, flush=True)
 
 
+def shape_config(shape: str, **fields: object) -> dict:
+    """The config.json fields of `shape`: Llama's unless the shape names its family."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+            **SHAPES[shape], **fields}
+
+
 def write_config(shape: str, dtype: str, directory: Path) -> Path:
     """A config.json of `shape` in `directory`, which then loads with load_format="dummy"."""
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                  torch_dtype=dtype, **SHAPES[shape])
+    config = shape_config(shape, torch_dtype=dtype)
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
@@ -161,6 +183,28 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def pinned_copy_bandwidth(nbytes: int = 2**28, repeats: int = 10) -> dict[str, float]:
+    """Host-device copy bandwidth through pinned memory on this process's CUDA device, GB/s each
+    way (median of CUDA-event timings): the ceiling of the host tier's transfers."""
+    device = torch.device("cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for name, dst, src in (("host_to_device", gpu, host), ("device_to_host", host, gpu)):
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        result[name] = nbytes / sorted(times)[len(times) // 2] / 1e9
+    del host, gpu
+    torch.cuda.empty_cache()
+    return result
 
 
 def graph_time(fn: Callable[[int], object], variants: int, calls: int = 20, replays: int = 25) -> float:

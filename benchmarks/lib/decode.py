@@ -13,25 +13,28 @@ import time
 
 import torch
 
-from benchmarks.lib.common import SHAPES, sync
+from benchmarks.lib.common import shape_config, sync
 from raypaged import LLM, SamplingParams
+from raypaged.model.config import ModelConfig
 
 
 def weight_bytes(shape: str, element: int, batch: int) -> int:
     """Weight bytes a decode step of `batch` tokens must read: every layer, the final norm and
     the LM head once, but of the embedding table only the batch's rows (a 1 GB table at 8B)."""
-    s = SHAPES[shape]
-    h, i, layers, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
-    head_dim = h // s["num_attention_heads"]
-    kv = s["num_key_value_heads"] * head_dim
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
-    return element * (layers * per_layer + v * h + batch * h + h)
+    c = _config(shape)
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size + 2 * h
+    return element * (c.num_hidden_layers * per_layer + c.vocab_size * h + batch * h + h)
 
 
 def kv_bytes_per_token(shape: str, element: int) -> int:
-    s = SHAPES[shape]
-    head_dim = s["hidden_size"] // s["num_attention_heads"]
-    return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim * element
+    """K and V of one token in every layer (contexts within any sliding window)."""
+    c = _config(shape)
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * element
+
+
+def _config(shape: str) -> ModelConfig:
+    return ModelConfig.from_dict(shape_config(shape))
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from benchmarks.lib.common import SHAPES, copy_bandwidth
+from benchmarks.lib.common import copy_bandwidth, shape_config
 from raypaged.model.attention import AttentionMetadata
 from raypaged.model.config import ModelConfig
 from raypaged.model.loader import load_model
@@ -21,8 +21,7 @@ BLOCK_SIZE = 16
 
 
 def model_config(shape: str) -> ModelConfig:
-    return ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
-                                      **SHAPES[shape]))
+    return ModelConfig.from_dict(shape_config(shape, torch_dtype="bfloat16"))
 
 
 def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -94,6 +93,8 @@ def time_steps(shape: str, batches: list[int], context: int, profile_steps: bool
     embedding = model.model.embed_tokens.weight
     unread = 0 if model.lm_head.weight is embedding else embedding.numel() * embedding.element_size()
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) - unread
+    # Products per token: 2 per weight element read (FP8 or not), for the prefill TFLOP/s.
+    weight_elements = sum(t.numel() for t in model.parameters()) - (0 if unread == 0 else embedding.numel())
 
     max_batch = max(batches)
     prefills = ((1, 512), (8, 512))
@@ -108,6 +109,7 @@ def time_steps(shape: str, batches: list[int], context: int, profile_steps: bool
     ]  # fmt: skip
     bandwidth = copy_bandwidth(device)
     floor_ms = weight_bytes / bandwidth * 1e3
+    kv_token_bytes = 2 * config.num_hidden_layers * shape[2] * shape[3] * 2  # K and V, bf16
     result = {
         "dummy_load_s": load_s, "weight_bytes": weight_bytes,
         "copy_bandwidth_TBps": bandwidth / 1e12, "weight_read_floor_ms": floor_ms,
@@ -134,11 +136,14 @@ def time_steps(shape: str, batches: list[int], context: int, profile_steps: bool
                 graph_ms = median_ms(graph.replay)
             except Exception as e:  # noqa: BLE001 - reported, not hidden: the eager figure still stands
                 graph_error = f"{type(e).__name__}: {e}"[:300]
-        row = {"batch": batch, "eager_ms": eager, "cuda_graph_ms": graph_ms,
-               "graph_error": graph_error, "eager_vs_floor": eager / floor_ms}  # fmt: skip
+        # The step's byte floor: every weight once and every request's KV once.
+        step_floor_ms = (weight_bytes + batch * context * kv_token_bytes) / bandwidth * 1e3
+        row = {"batch": batch, "eager_ms": eager, "cuda_graph_ms": graph_ms, "graph_error": graph_error,
+               "floor_ms": step_floor_ms, "eager_vs_floor": eager / step_floor_ms,
+               "graph_vs_floor": None if graph_ms is None else graph_ms / step_floor_ms}  # fmt: skip
         result["decode"].append(row)
         print(f"decode B={batch:3d} ctx={context}: eager {eager:.2f} ms, graph "
-              f"{graph_ms if graph_ms is None else round(graph_ms, 2)} ms, floor {floor_ms:.2f} ms"
+              f"{graph_ms if graph_ms is None else round(graph_ms, 2)} ms, floor {step_floor_ms:.2f} ms"
               + (f"  ({graph_error})" if graph_error else ""), flush=True)  # fmt: skip
 
     for batch, length in prefills:
@@ -147,7 +152,7 @@ def time_steps(shape: str, batches: list[int], context: int, profile_steps: bool
             ms = median_ms(lambda ids=ids, positions=positions, meta=meta, last=last:
                            model.compute_logits(model(ids, positions, caches, meta)[last]))
         tokens = batch * length
-        flops = 2 * weight_bytes / 2 * tokens
+        flops = 2 * weight_elements * tokens
         result["prefill"].append({"batch": batch, "prompt": length, "ms": ms,
                                   "tokens_per_s": tokens / ms * 1e3, "TFLOPs": flops / ms / 1e9})
         print(f"prefill {batch}x{length}: {ms:.1f} ms, {tokens / ms * 1e3:,.0f} tok/s, "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from raypaged.commands.network_security import add_security_args, security_from_args
 from raypaged.config import SERVING_MAX_WAITING_REQUESTS, EngineConfig
+from raypaged.frontend.prefix_router import ROUTING_POLICIES
 
 if TYPE_CHECKING:
     from raypaged.frontend.server import FrontendServer
@@ -43,6 +44,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="seconds that streams in flight get to finish on SIGINT / SIGTERM")
     group.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
                        help="start a new engine (with backoff) when the engine actor dies")
+    group.add_argument("--engine-recovery-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="how long streams in flight (and new requests) wait for the new engine "
+                            "after the engine actor died, to go on there with nothing lost; past "
+                            "it they end with UNAVAILABLE (0: at once)")
+    group.add_argument("--data-parallel-size", "--dp", type=int, default=1,
+                       help="engine replicas behind this frontend, each with its own TP group and "
+                            "KV pool; a router picks one per request")
+    group.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="prefix",
+                       help="with --data-parallel-size > 1: prefix (the longest cached prefix, "
+                            "weighed against load), p2c (power of two choices), round_robin")
     add_security_args(parser)
     return group
 
@@ -59,13 +70,16 @@ def run_server(args: argparse.Namespace, command: str, attach: Attach | None = N
     import logging
 
     from raypaged.config import ConfigError
+    from raypaged.frontend.supervisor import RestartPolicy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = EngineConfig.from_cli_args(args)
         config.validate()
+        _check_data_parallel(args, config)
         args.security = security_from_args(args)
-    except (ConfigError, ValueError) as e:  # ValueError: a bad TLS or token setting
+        args.restart_policy = RestartPolicy(recovery_timeout_s=args.engine_recovery_timeout)
+    except (ConfigError, ValueError) as e:  # ValueError: a bad TLS, token or recovery setting
         print(f"raypaged {command}: {e}", file=sys.stderr)
         return 2
     try:
@@ -78,6 +92,37 @@ def run_server(args: argparse.Namespace, command: str, attach: Attach | None = N
     except OSError as e:  # e.g. the port is taken
         print(f"raypaged {command}: {e}", file=sys.stderr)
         return 1
+
+
+def _check_data_parallel(args: argparse.Namespace, config: EngineConfig) -> None:
+    from raypaged.config import ConfigError
+
+    if args.data_parallel_size < 1:
+        raise ConfigError("--data-parallel-size must be >= 1")
+    if args.data_parallel_size > 1 and config.scheduler.enable_prefix_caching \
+            and config.scheduler.prefix_caching_hash_algo != "sha256":
+        raise ConfigError("--data-parallel-size > 1 routes by block hashes, which must mean the same "
+                          "in every process: --prefix-caching-hash-algo sha256")
+
+
+def _gpu_share(config: EngineConfig, replicas: int) -> float:
+    """The part of a GPU each data-parallel engine reserves: a whole one while the cluster has
+    one for each; else they share the cards (tp 1 only), each within its memory share."""
+    import ray
+
+    from raypaged.config import ConfigError
+
+    gpus: float = ray.cluster_resources().get("GPU", 0)
+    if not gpus or gpus >= replicas * config.parallel.tensor_parallel_size:
+        return 1.0
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"{replicas} replicas of tp {config.parallel.tensor_parallel_size} need "
+                          f"{replicas * config.parallel.tensor_parallel_size} GPUs, the cluster has {gpus:g}")
+    share = gpus / replicas
+    if config.cache.gpu_memory_utilization > share:
+        raise ConfigError(f"{replicas} engines share {gpus:g} GPU(s): --gpu-memory-utilization must be "
+                          f"at most {share:g} (each engine's share of the memory)")
+    return share
 
 
 def _check_port_free(host: str, port: int | None) -> None:
@@ -104,12 +149,18 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
 
     from raypaged.commands.network_security import warn_if_exposed
     from raypaged.engine.client import AsyncEngineClient
+    from raypaged.frontend.data_parallel import DataParallelEngineClient, EngineHandle
     from raypaged.frontend.load_shedding import OverloadPolicy
+    from raypaged.frontend.router_metrics import RouterMetrics
     from raypaged.frontend.server import FrontendServer, ServerConfig
+    from raypaged.frontend.tenants import unused_priorities_warning
 
     logger = logging.getLogger("raypaged.launch")
     security = args.security
     warn_if_exposed(args.host, security, logger)
+    unused = unused_priorities_warning(security.api_keys, config.scheduler.scheduling_policy)
+    if unused is not None:
+        logger.warning("%s", unused)
     started_ray = not ray.is_initialized()
     if started_ray:
         # Ray's GCS keeps the events of up to 100,000 tasks (~200 MiB); the engine makes one
@@ -117,9 +168,15 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
         os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
         # address None starts a local Ray; "auto" or HOST:PORT joins a running cluster.
         ray.init(address=config.parallel.ray_address, include_dashboard=False, log_to_driver=True)
-    engine = None
+    engine: EngineHandle | None = None
     try:
-        engine = await AsyncEngineClient.start(config)
+        if args.data_parallel_size > 1:
+            share = _gpu_share(config, args.data_parallel_size)
+            engine = await DataParallelEngineClient.start(
+                args.data_parallel_size, lambda: AsyncEngineClient.start(config, gpu_share=share),
+                args.routing_policy, restart=args.engine_restart)
+        else:
+            engine = await AsyncEngineClient.start(config)
         info = engine.model_info
         tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
         names = args.served_model_name
@@ -129,9 +186,13 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
             ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                          model_name=model_name, shutdown_grace_s=args.shutdown_grace,
                          max_message_bytes=security.max_message_bytes, tls=security.tls,
-                         auth_token=security.auth_token, overload=OverloadPolicy.from_config(config)),
+                         auth_token=security.auth_token, tenants=security.api_keys,
+                         overload=OverloadPolicy.from_config(config), restart_policy=args.restart_policy),
             owns_engine=True,
-            engine_factory=(lambda: AsyncEngineClient.start(config)) if args.engine_restart else None)
+            engine_factory=((lambda: AsyncEngineClient.start(config))
+                            if args.engine_restart and args.data_parallel_size == 1 else None))
+        if isinstance(engine, DataParallelEngineClient):
+            engine.attach_metrics(RouterMetrics(server.metrics.registry, server.service.model_name))
         await server.start()
         described, stop_attached = "", None
         if attach is not None:
@@ -147,9 +208,9 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
         metrics = (f", metrics on http://{args.host}:{server.metrics_port}/metrics"
                    if server.metrics_port else "") + described
         # One line that scripts wait for: the address is real and the server is SERVING.
-        logger.info("raypaged ready: serving %s (%s, %d KV blocks of %d tokens, tp %d)%s on %s%s",
+        logger.info("raypaged ready: serving %s (%s, %d KV blocks of %d tokens, tp %d, dp %d)%s on %s%s",
                     server.service.model_name, info["architecture"], info["num_blocks"],
-                    info["block_size"], info["tensor_parallel_size"],
+                    info["block_size"], info["tensor_parallel_size"], args.data_parallel_size,
                     " over TLS" if security.tls else "", server.address, metrics)
         engine = None  # the server owns it now
         await server.wait_closed()

@@ -1,5 +1,6 @@
-"""`raypaged launch`'s security options: TLS, client certificates, a bearer token, the message
-size bound, and warnings when the server is reachable from the network without them."""
+"""`raypaged launch`'s security options: TLS, client certificates, a bearer token or a file of API
+keys (tenants), the message size bound, and warnings when the server is reachable from the
+network without them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 from dataclasses import dataclass
 
 from raypaged.frontend.auth import AUTH_TOKEN_ENV, auth_token_from_env, check_token
+from raypaged.frontend.keys_file import load_keys_file
+from raypaged.frontend.tenants import TenantRegistry
 from raypaged.frontend.tls import TLSConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -20,6 +23,11 @@ class NetworkSecurity:
     tls: TLSConfig | None
     auth_token: str | None
     max_message_bytes: int
+    api_keys: TenantRegistry | None = None  # --api-keys-file's; the token is one more key
+
+    @property
+    def authenticates(self) -> bool:
+        return self.auth_token is not None or self.api_keys is not None
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +39,10 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auth-token", default=None,
                        help=f"bearer token every call but health must carry (default: ${AUTH_TOKEN_ENV}; "
                             "prefer the variable: a flag shows in process listings)")
+    group.add_argument("--api-keys-file", default=None, metavar="PATH",
+                       help="YAML (or JSON) file of API keys, each a tenant with its name, rate "
+                            "limits, max concurrent requests and priority (README: Tenants); "
+                            "every call but health must carry one of them")
     group.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                        help="largest gRPC message accepted (larger: RESOURCE_EXHAUSTED)")
 
@@ -50,7 +62,10 @@ def security_from_args(args: argparse.Namespace) -> NetworkSecurity:
         check_token(token)
     if args.max_message_bytes < 1024:
         raise ValueError("--max-message-bytes must be at least 1024")
-    return NetworkSecurity(tls, token, args.max_message_bytes)
+    keys = None if args.api_keys_file is None else load_keys_file(args.api_keys_file)
+    if keys is not None and token is not None:
+        TenantRegistry.merge((keys, TenantRegistry.single(token)))  # the token must be a key of its own
+    return NetworkSecurity(tls, token, args.max_message_bytes, keys)
 
 
 def is_loopback(host: str) -> bool:
@@ -71,7 +86,7 @@ def warn_if_exposed(host: str, security: NetworkSecurity, logger: logging.Logger
     if security.tls is None:
         logger.warning("listening on %s without TLS: prompts, completions%s cross the network in "
                        "clear text (--tls-cert/--tls-key)", host,
-                       " and the auth token" if security.auth_token else "")
-    if security.auth_token is None and (security.tls is None or not security.tls.requires_client_certificates):
+                       " and the API keys" if security.authenticates else "")
+    if not security.authenticates and (security.tls is None or not security.tls.requires_client_certificates):
         logger.warning("listening on %s with no authentication: anyone who can reach it can use it "
-                       "(--auth-token or $%s, or --tls-client-ca)", host, AUTH_TOKEN_ENV)
+                       "(--auth-token or $%s, --api-keys-file, or --tls-client-ca)", host, AUTH_TOKEN_ENV)

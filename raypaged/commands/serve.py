@@ -1,7 +1,7 @@
 """`raypaged serve [MODEL]`: what `raypaged launch` does, plus the OpenAI HTTP API from the same
 process — one engine, one GenerationService, two front doors (HTTP on --port, gRPC on
 --grpc-port). The HTTP routes are the Ray Serve app's (serve/openai_api.py), served by uvicorn
-(serve/standalone_http.py) with the gRPC server's TLS, bearer token and message bound.
+(serve/standalone_http.py) with the gRPC server's TLS, API keys (its tenants) and message bound.
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ def _openai_http(args: argparse.Namespace) -> Callable[[FrontendServer], Awaitab
         from raypaged.serve.standalone_http import HTTPServer, build_http_app
 
         security = args.security
+        # The gRPC server's keys (the token and the keys file's): one tenant is one tenant on both.
         front = OpenAIFrontDoor(server.service, server.metrics, model_names=args.served_model_name,
-                                parsing=chat_parsing_from_args(args))
-        app = build_http_app(front, auth_token=security.auth_token,
-                             max_body_bytes=security.max_message_bytes)
+                                parsing=chat_parsing_from_args(args), tenants=server.tenants)
+        app = build_http_app(front, max_body_bytes=security.max_message_bytes)
         http = HTTPServer(app, args.host, args.http_port, tls=security.tls,
                           shutdown_grace_s=args.shutdown_grace)
         await http.start()

@@ -10,10 +10,23 @@ import dataclasses
 from dataclasses import dataclass
 
 from raypaged.config.base import ConfigError, check, check_choices, parse_bytes, setting
+from raypaged.core.block_hashing import HASH_ALGOS
 from raypaged.core.kv_cache_groups import KVCacheGroupSpec, group_layers
 from raypaged.core.scheduler_config import POLICIES, SchedulerConfig
 
 KV_CACHE_MODES = ("paged", "contiguous")
+# auto: the model's dtype; fp8 is fp8_e4m3 (kernels/kv_quant.py maps the names to torch dtypes).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_cache_value_bytes(kv_cache_dtype: str, model_value_bytes: int = 2) -> int:
+    """Bytes of one cached K or V value: the model's for "auto", 1 for the FP8 pools."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
+    return model_value_bytes if kv_cache_dtype == "auto" else 1
+
+
+PREEMPTION_MODES = ("recompute", "swap")
 # The paged-attention kernels are compiled for these block sizes (the scheduler takes any).
 BLOCK_SIZES = (8, 16, 32)
 # What a Ray worker reserves unless ray_cpus_per_worker says: a GPU worker's host thread needs
@@ -67,6 +80,10 @@ class SchedulerSettings:
               f"max_model_len)")
     enable_prefix_caching: bool = setting(SchedulerConfig.enable_prefix_caching,
                                           "share the KV blocks of common prompt prefixes")
+    prefix_caching_hash_algo: str = setting(
+        SchedulerConfig.prefix_caching_hash_algo,
+        "the prefix cache's block hash: sha256 (the same in every process, which data "
+        "parallelism's router needs) or builtin (Python's hash, per process)", choices=HASH_ALGOS)
     enable_chunked_prefill: bool = setting(SchedulerConfig.enable_chunked_prefill,
                                            "split long prompts over steps, beside the decodes")
     scheduling_policy: str = setting(SchedulerConfig.policy,
@@ -103,6 +120,7 @@ class SchedulerSettings:
             num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.token_budget(max_model_len), max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
             max_waiting_requests=self.max_waiting_requests, async_scheduling=self.async_scheduling)
 
@@ -126,10 +144,29 @@ class CacheSettings:
         True, "paged, for models with sliding-window layers: one block table per group of layers "
               "of one attention kind, sliding ones holding only their window's blocks "
               "(--no-kv-cache-groups: every layer one full-length table)")
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV pool holds: auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, "
+                "one byte a value (twice the blocks in the same memory), quantized with the "
+                "checkpoint's per-layer k/v scales (e4m3; else 1.0)", choices=KV_CACHE_DTYPES)
+    kv_offload_size: float = setting(
+        0.0, "GiB of host memory per rank for a second tier of KV blocks behind the GPU pool: "
+             "evicted prefix-cache blocks are copied there and come back on a prefix hit (default: "
+             "0, no host tier)", flags=("--kv-offload-size", "--cpu-offload-gb"))
+    preemption_mode: str = setting(
+        "recompute", "recompute: a preempted request computes its KV again; swap: its blocks go "
+                     "to the host tier (needs --kv-offload-size) and come back on resumption",
+        choices=PREEMPTION_MODES)
 
     def validate(self) -> None:
         check_choices(self)
-        check([(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")])
+        check([
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.kv_offload_size >= 0, "kv_offload_size must be >= 0"),
+            (self.preemption_mode != "swap" or self.kv_offload_size > 0,
+             "preemption_mode swap needs a host tier: set kv_offload_size"),
+            (not self.kv_offload_size or self.kv_cache_mode == "paged",
+             "kv_offload_size needs kv_cache_mode paged"),
+        ])
 
     def kv_groups(self, layer_windows: tuple[int | None, ...]) -> tuple[KVCacheGroupSpec, ...]:
         """The KV-cache groups of a model whose layer i has sliding window layer_windows[i]

@@ -36,8 +36,12 @@ def check_new_request(request: Request, config: SchedulerConfig, kv_cache_manage
         if sample_id(group_id, i) in requests:
             raise InvalidRequestError(f"sample id {sample_id(group_id, i)} of request {request_id!r} "
                                       "is already in use")
-    if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.num_output_tokens:
+    resumed = request.resumed_output_token_ids
+    if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
+            or request.num_tokens != request.num_prompt_tokens + len(resumed)):
         raise InvalidRequestError(f"request {request_id!r} is not new (status {request.status.name})")
+    if resumed:
+        _check_resumed(request, config)
     prompt = request.prompt_token_ids
     if not prompt:
         raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
@@ -47,11 +51,27 @@ def check_new_request(request: Request, config: SchedulerConfig, kv_cache_manage
     if len(prompt) >= config.max_model_len:
         raise InvalidRequestError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no "
                                   f"room to generate within max_model_len={config.max_model_len}")
-    if not kv_cache_manager.can_fit(len(prompt)):
-        raise InvalidRequestError(f"request {request_id!r}: prompt of {len(prompt)} tokens is larger "
-                                  f"than the whole KV cache")
+    if not kv_cache_manager.can_fit(request.num_tokens):
+        raise InvalidRequestError(f"request {request_id!r}: prompt of {request.num_tokens} tokens is "
+                                  f"larger than the whole KV cache")
     if type(request.priority) is not int:
         raise InvalidRequestError(f"priority must be an integer, got {request.priority!r}")
     bound = config.max_waiting_requests
     if bound is not None and num_waiting >= bound:
         raise QueueFullError(f"the waiting queue is full ({bound} requests)")
+
+
+def _check_resumed(request: Request, config: SchedulerConfig) -> None:
+    """A resumed request (Request.resumed_output_token_ids) carries one sample's outputs, every
+    one a real token, with room left to generate."""
+    resumed, params = request.resumed_output_token_ids, request.sampling_params
+    request_id = request.request_id
+    if params.n != 1:
+        raise InvalidRequestError(f"request {request_id!r}: a resumed request is one sample (n=1), "
+                                  f"not n={params.n}")
+    if not all(type(t) is int and t >= 0 for t in resumed):
+        raise InvalidRequestError(f"request {request_id!r}: resumed output token ids must be "
+                                  "non-negative integers")
+    if len(resumed) >= params.max_tokens or request.num_tokens >= config.max_model_len:
+        raise InvalidRequestError(f"request {request_id!r}: its {len(resumed)} resumed outputs "
+                                  "leave nothing to generate")

@@ -95,7 +95,8 @@ class AsyncScheduler(Scheduler):
         return scheduled, ends
 
     def _may_admit(self, request: Request) -> bool:
-        return not self._held_back or request.request_id not in self._held_back
+        held_back = self._held_back and request.request_id in self._held_back
+        return not held_back and super()._may_admit(request)
 
     def _preempt(self, index: int, out: SchedulerOutput) -> int:
         request = self.running[index]

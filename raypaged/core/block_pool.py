@@ -18,11 +18,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
+from raypaged.core.block_hashing import ROOT_HASH, BlockHasher, builtin_block_hash
 from raypaged.core.errors import NoFreeBlocksError
-
-# The "parent hash" of a request's first block. Any fixed int works: Python's hash of a tuple of
-# ints is deterministic, and a hit compares token ids as well (see BlockHash).
-_ROOT_HASH = 0x5EED_B10C_4A5E
 
 
 class BlockHash(NamedTuple):
@@ -49,11 +46,28 @@ _new_tuple = tuple.__new__
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...],
-                      extra_keys: tuple[Hashable, ...] | None = None) -> BlockHash:
-    parent_value = _ROOT_HASH if parent is None else parent.hash_value
+                      extra_keys: tuple[Hashable, ...] | None = None,
+                      hasher: BlockHasher = builtin_block_hash) -> BlockHash:
+    """hasher: core/block_hashing.py's chain function (the manager's prefix_caching_hash_algo)."""
+    parent_value = ROOT_HASH if parent is None else parent.hash_value
     # tuple.__new__ directly: BlockHash(...) would run NamedTuple's Python-level __new__ (a block
     # fills, and is hashed, somewhere every step).
-    return _new_tuple(BlockHash, (hash((parent_value, token_ids, extra_keys)), token_ids, extra_keys))
+    return _new_tuple(BlockHash, (hasher(parent_value, token_ids, extra_keys), token_ids, extra_keys))
+
+
+def stored_event(hash_value: int) -> int:
+    """A cache event: this hash value entered the prefix cache (see BlockPool.events)."""
+    return (hash_value << 1) | 1
+
+
+def removed_event(hash_value: int) -> int:
+    """A cache event: this hash value left the prefix cache."""
+    return hash_value << 1
+
+
+def read_event(event: int) -> tuple[int, bool]:
+    """(hash value, stored?) of a cache event (an arithmetic shift: negative values decode too)."""
+    return event >> 1, bool(event & 1)
 
 
 class BlockPool:
@@ -71,6 +85,9 @@ class BlockPool:
         # hash_value -> the block caching it. Keyed by the int, not the BlockHash: a dict
         # operation then calls no Python-level __hash__ (a block fills every step somewhere).
         self._cached: dict[int, int] = {}
+        # Cache events since the last take_events (stored_event / removed_event, in order), while
+        # record_events() is on: what a data-parallel router learns this pool's contents from.
+        self.events: list[int] | None = None
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
@@ -106,6 +123,8 @@ class BlockPool:
             if cached is not None:
                 del self._cached[cached.hash_value]
                 block_hash[block_id] = None
+                if self.events is not None:
+                    self.events.append(removed_event(cached.hash_value))
             ref_cnt[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -159,13 +178,30 @@ class BlockPool:
         if self._cached.setdefault(block_hash.hash_value, block_id) != block_id:
             return False  # another block caches these contents already (or collides with them)
         self.block_hash[block_id] = block_hash
+        if self.events is not None:
+            self.events.append(stored_event(block_hash.hash_value))
         return True
+
+    def record_events(self) -> None:
+        """Start keeping cache events (idempotent). Whoever turns them on takes them every step."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[int]:
+        """The cache events since the last call (empty while not recording)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after a weight update). Refused (False, nothing
         changed) while any block is held: running requests may still register their blocks."""
         if len(self._free) != self.num_blocks:
             return False
+        if self.events is not None:
+            self.events += [removed_event(value) for value in self._cached]
         self._cached.clear()
         self.block_hash[:] = [None] * self.num_blocks  # in place: the manager holds this list
         return True

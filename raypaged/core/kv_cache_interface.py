@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from raypaged.core.block_pool import BlockPool
+from raypaged.core.outputs import KVTransfers
 from raypaged.core.request import Request
 
 
@@ -29,11 +30,17 @@ class KVCacheStats:
     logical_slots: int  # sum over requests of their computed tokens (what they'd need unshared)
     shared_saved_slots: int  # logical - filled: slots saved by prefix sharing and fork
     prefix_cache_queries: int  # tokens looked up in the prefix cache (like vLLM)
-    prefix_cache_hits: int  # of those, tokens found
+    prefix_cache_hits: int  # of those, tokens found (in either tier)
     # Blocks held per KV-cache group (each block once; a block belongs to one group). Empty for
     # a single-group manager, whose groups' total is num_used_blocks.
     group_blocks: tuple[int, ...] = ()
     group_windows: tuple[int | None, ...] = ()  # each group's sliding window (None: full)
+    # The host tier (core/tiered_kv_cache_manager.py); zeros without one.
+    host_cache_hits: int = 0  # of prefix_cache_hits, tokens found in the host tier
+    num_host_blocks: int = 0
+    num_host_free_blocks: int = 0
+    offloaded_bytes: int = 0  # copied GPU -> host since the start, over every rank
+    loaded_bytes: int = 0  # copied host -> GPU
 
     @property
     def num_used_blocks(self) -> int:
@@ -92,6 +99,20 @@ class KVCacheManagerInterface(ABC):
     def free(self, request: Request) -> None:
         """Release the request's blocks (a no-op if it holds none)."""
 
+    def free_preempted(self, request: Request) -> None:
+        """Release a preempted request's blocks (it will be scheduled again). A manager with a
+        host tier may swap its K/V out first; the others just free them."""
+        self.free(request)
+
+    def may_admit(self, request: Request) -> bool:
+        """Whether the waiting request may be scheduled this step. A manager with a host tier
+        may say no once, while it loads the request's prefix for the next step."""
+        return True
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The host tier's copies queued since the last call (None: none, or no host tier)."""
+        return None
+
     @abstractmethod
     def fork(self, parent: Request, child: Request) -> None:
         """Give the child (a new sample of the parent's group, with the parent's computed
@@ -139,6 +160,15 @@ class KVCacheManagerInterface(ABC):
     def usage(self) -> float:
         """Fraction of the pool's blocks held by requests."""
 
+    # ---- cache events (a data-parallel router's view of this pool) ------------------------------
+    def record_cache_events(self) -> None:  # noqa: B027 - a manager without a prefix cache keeps none
+        """Start keeping the hash values that enter and leave the prefix cache (a manager with no
+        prefix cache has none to keep)."""
+
+    def take_cache_events(self) -> list[int]:
+        """The cache events since the last call (core/block_pool.py stored_event / removed_event)."""
+        return []
+
 
 class PagedKVCacheManagerBase(KVCacheManagerInterface):
     """What the paged managers (one table per request, or one per KV-cache group) share: their
@@ -159,6 +189,12 @@ class PagedKVCacheManagerBase(KVCacheManagerInterface):
         list, so the workers may apply them in one batched gather-scatter, before the forward."""
         copies, self._copies = self._copies, []
         return copies
+
+    def record_cache_events(self) -> None:
+        self.block_pool.record_events()
+
+    def take_cache_events(self) -> list[int]:
+        return self.block_pool.take_events()
 
     @property
     def num_free_blocks(self) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raypaged.core.block_hashing import DEFAULT_HASH_ALGO, block_hasher, request_extra_keys
 from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 from raypaged.core.errors import UnknownRequestError
 from raypaged.core.kv_cache_interface import KVCacheStats, PagedKVCacheManagerBase
@@ -54,18 +55,21 @@ class _RequestBlocks:
     # Its block at index num_computed // B is partial and was shared by a fork: check for
     # copy-on-write on its next write.
     shared_tail: bool = False
-    # Hashed into every block with its tokens. The salt goes into every block, not only the
-    # first: tenants stay apart even if two prefixes' chained hashes ever collided.
+    # Hashed into every block with its tokens (block_hashing.request_extra_keys).
     extra_keys: tuple[str, ...] | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.extra_keys = (self.request.cache_salt,) if self.request.cache_salt else None
+        self.extra_keys = request_extra_keys(self.request.cache_salt)
 
 
 class KVCacheManager(PagedKVCacheManagerBase):
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
+        """hash_algo: the prefix-cache chain (core/block_hashing.py): sha256 is the same in every
+        process, builtin only within this one."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self._hasher = block_hasher(hash_algo)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -126,7 +130,8 @@ class KVCacheManager(PagedKVCacheManagerBase):
             token_ids = tuple(request.all_token_ids[num_full * block_size - block_size:num_full * block_size])
             if len(token_ids) != block_size:
                 raise ValueError(f"request {request.request_id!r}: block {num_full - 1} is not full")
-            block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids, state.extra_keys)
+            block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids, state.extra_keys,
+                                           self._hasher)
             hashes.append(block_hash)
             self.block_pool.cache_full_block(table[num_full - 1], block_hash)
             state.num_cached_blocks = num_full
@@ -256,9 +261,10 @@ class KVCacheManager(PagedKVCacheManagerBase):
         tokens = request.all_token_ids
         if num_blocks * block_size > len(tokens):
             raise ValueError(f"request {request.request_id!r}: block {num_blocks - 1} is not full")
-        parent = hashes[-1] if hashes else None
+        parent, hasher = (hashes[-1] if hashes else None), self._hasher
         for start in range(len(hashes) * block_size, num_blocks * block_size, block_size):
-            parent = hash_block_tokens(parent, tuple(tokens[start:start + block_size]), state.extra_keys)
+            parent = hash_block_tokens(parent, tuple(tokens[start:start + block_size]), state.extra_keys,
+                                       hasher)
             hashes.append(parent)
 
     # ---- release and sharing ---------------------------------------------------------------------

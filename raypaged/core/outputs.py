@@ -46,6 +46,24 @@ class CachedRequestData:
 
 
 @dataclass
+class KVTransfers:
+    """One step's copies between the GPU pool and the host tier (core/tiered_kv_cache_manager.py),
+    applied by every rank to its own heads before the step's copy-on-write and forward: first
+    every offload, then every load (a load may read a host block an offload of the same step
+    writes, and may write a GPU block an offload of the same step reads). No host block is
+    written twice, no GPU block loaded twice."""
+
+    offloads: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    # Whether this step's forward reads a block it loads. If not, the loads may overlap this
+    # step's forward: only the next step's forward must wait for them.
+    loads_read_now: bool = True
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.loads)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
@@ -60,6 +78,8 @@ class SchedulerOutput:
     # Copy-on-write: (src block, dst block) pairs to copy in every layer before the forward. No
     # dst repeats or is also a src, so one batched gather-then-scatter applies them all.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The host tier's copies, before block_copies; None when there are none.
+    kv_transfers: KVTransfers | None = None
     # Structured outputs: int32 [R, ceil(V/32)] numpy array, row i the tokens grammar_req_ids[i]
     # may sample this step (raypaged/structured/bitmask.py). None when no scheduled request has
     # a grammar: unconstrained steps carry nothing.
@@ -79,7 +99,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0 and not self.block_copies
+        return self.total_num_scheduled_tokens == 0 and not self.block_copies and not self.kv_transfers
 
     def unschedule(self, req_id: str) -> bool:
         """Take a request's entry (cached or new) back out, as when priority preemption picks
@@ -172,6 +192,10 @@ class EngineCoreOutputs:
     records: dict[int, EngineCoreOutput] = field(default_factory=dict)
     # Set by the engine actor on each batch it hands out (engine/actor.py: get_outputs).
     load: EngineLoad | None = None
+    # The prefix cache's events over these steps, in order (core/block_pool.py stored_event /
+    # removed_event): a data-parallel frontend's router learns each engine's cached prefixes
+    # from them (frontend/prefix_router.py).
+    cache_events: list[int] = field(default_factory=list)
 
     def append(self, output: EngineCoreOutput) -> None:
         """Add a whole record (any kind)."""
@@ -186,6 +210,8 @@ class EngineCoreOutputs:
         self.new_token_ids += other.new_token_ids
         if other.records:
             self.records.update({offset + i: output for i, output in other.records.items()})
+        if other.cache_events:
+            self.cache_events += other.cache_events
 
     def whole_records(self) -> Iterator[EngineCoreOutput]:
         """The records kept whole: every first, last, sample and error record among them."""

@@ -21,6 +21,12 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # aborted by the client, the frontend or an error
 
 
+# The stop_reason of the records of requests an engine ended because it gave up on its workers
+# (their error says why): the request was not at fault, and a frontend may run it again on
+# another engine (frontend/replay.py).
+ENGINE_FAILED = "engine_failed"
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -42,6 +48,12 @@ class Request:
     # (core/sample_ids.py).
     group_id: str = ""
     sample_index: int = 0
+    # A request resumed on a new engine after the one running it died (frontend/replay.py):
+    # the output tokens its client already has, after the prompt in all_token_ids from the
+    # start. The engine takes it as it would a preempted request: it recomputes prompt +
+    # outputs and goes on, so max_tokens, min_tokens, penalties and the seeded sampler's
+    # positions all count these outputs, and a grammar's matcher is advanced over them.
+    resumed_output_token_ids: tuple[int, ...] = ()
 
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -73,7 +85,8 @@ class Request:
         if not self.group_id:
             self.group_id = self.request_id
         self.prompt_token_ids = list(self.prompt_token_ids)
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.resumed_output_token_ids = tuple(self.resumed_output_token_ids)
+        self.all_token_ids = self.prompt_token_ids + list(self.resumed_output_token_ids)
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = []
 

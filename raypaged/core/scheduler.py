@@ -5,8 +5,8 @@ then admits waiting requests (prefix-cache hits first taken, then their first ch
 token budget (max_num_batched_tokens) and max_num_seqs. When a running request cannot get a
 block, the newest (fcfs) or lowest-priority running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue, to be prefilled again later (prompt
-and outputs so far, with prefix-cache hits). The result is a SchedulerOutput, the diff the workers
-apply (see outputs.py).
+and outputs so far, with prefix-cache hits; a host tier may swap its blocks out and back in).
+The result is a SchedulerOutput, the diff the workers apply (see outputs.py).
 
 update_from_output() takes the step's sampled tokens: it advances the computed tokens
 (registering a block that filled in the prefix cache), appends each token, checks stop
@@ -96,7 +96,7 @@ class Scheduler:
         self.config = config
         if kv_cache_manager is None:
             kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
-                                              config.enable_prefix_caching)
+                                              config.enable_prefix_caching, config.prefix_caching_hash_algo)
         elif kv_cache_manager.block_size != config.block_size:
             raise ValueError(f"the KV cache manager's block_size ({kv_cache_manager.block_size}) "
                              f"differs from the config's ({config.block_size})")
@@ -163,8 +163,9 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
-        out.block_copies = self.kv_cache_manager.take_block_copies()
-        attach_group_tables(out, self.kv_cache_manager)
+        kv = self.kv_cache_manager
+        out.block_copies, out.kv_transfers = kv.take_block_copies(), kv.take_transfers()
+        attach_group_tables(out, kv)
         self._update_after_schedule(out)
         return out
 
@@ -336,8 +337,8 @@ class Scheduler:
 
     def _may_admit(self, request: Request) -> bool:
         """Hook: may the request at the head of the waiting queue be scheduled now? (If not,
-        nothing behind it is.)"""
-        return True
+        nothing behind it is.) Not while its KV manager loads its prefix from a host tier."""
+        return self.kv_cache_manager.may_admit(request)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _send_new(self, request: Request, block_ids: list[int], out: SchedulerOutput,
@@ -355,8 +356,8 @@ class Scheduler:
             eos_token_id=request.eos_token_id))
 
     def _preempt(self, index: int, out: SchedulerOutput) -> int:
-        """Preempt running[index] by recompute. Returns the tokens it had been given in this
-        step (now back in the budget)."""
+        """Preempt running[index] (by recompute, unless the manager swaps). Returns the tokens it
+        had been given in this step (now back in the budget)."""
         request = self.running.pop(index)
         request_id = request.request_id
         refund = out.num_scheduled_tokens.pop(request_id, 0)
@@ -364,7 +365,7 @@ class Scheduler:
             self._scheduled.remove(request)
             if not out.unschedule(request_id):
                 self._on_workers.discard(request_id)  # never got it, or drops it anyway (resent)
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free_preempted(request)  # swapped out to the host tier, if asked
         del self._num_slots[request_id]
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raypaged.core.block_hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -24,6 +26,8 @@ class SchedulerConfig:
     # Plan step N+1 while step N runs (see Scheduler.schedule): the caller then answers each
     # step one schedule() later, and the workers fill in the tokens they sampled.
     async_scheduling: bool = False
+    # The prefix cache's hash chain (core/block_hashing.py HASH_ALGOS).
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
 
     def __post_init__(self) -> None:
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -33,6 +37,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         if self.max_waiting_requests is not None and (
                 type(self.max_waiting_requests) is not int or self.max_waiting_requests < 0):
             raise ValueError(f"max_waiting_requests must be None or an integer >= 0, "

@@ -28,13 +28,19 @@ _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredOutput:
     """Exactly one of: `json` (a JSON schema, as JSON text or a dict), `json_object` (any JSON
     value, as OpenAI's json_object), `regex`, `choice` (one of these strings),
-    `grammar` (EBNF / GBNF text). Hashable: `key` identifies the compiled grammar."""
+    `grammar` (EBNF / GBNF text). Hashable: `key` identifies the compiled grammar.
+
+    reasoning_end_token_ids: the grammar applies from after the first appearance of this token
+    sequence in the output (a reasoning model's `</think>`, so it may reason first, as vLLM
+    does with a reasoning parser); the tokens before it, the sequence included, are free.
+    Empty: from the first token. Not part of `key`: the grammar is the same."""
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         schema: Any = self.json
@@ -46,6 +52,7 @@ class StructuredOutput:
             object.__setattr__(self, "json", schema)
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        object.__setattr__(self, "reasoning_end_token_ids", tuple(self.reasoning_end_token_ids))
         self.validate()
 
     @property
@@ -81,11 +88,13 @@ class StructuredOutput:
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("structured output choice must be non-empty strings, at least one")
+        if not all(isinstance(t, int) and t >= 0 for t in self.reasoning_end_token_ids):
+            raise InvalidRequestError("structured output reasoning_end_token_ids must be token ids (>= 0)")
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> StructuredOutput:
         """From vLLM's `structured_outputs` shape ({"json": …} / {"regex": …} / …)."""
-        unknown = set(value) - set(_KINDS)
+        unknown = set(value) - {*_KINDS, "reasoning_end_token_ids"}
         if unknown:
             raise InvalidRequestError(f"unknown structured output field(s): {sorted(unknown)}")
         return cls(**value)

@@ -26,6 +26,7 @@ class EngineActor:
     def __init__(self, config: EngineConfig) -> None:
         logging.basicConfig(level=logging.INFO)
         self.core = EngineCore(config)
+        self.core.record_cache_events()  # taken every step below, carried on the outputs
         self._outputs = EngineCoreOutputs()  # steps' records the caller has not pulled yet
         self._have_outputs = threading.Condition()
         self._have_work = threading.Event()
@@ -43,8 +44,13 @@ class EngineActor:
             "vocab_size": core.model_config.vocab_size,
             "block_size": core.config.scheduler.block_size,
             "num_blocks": core.num_blocks,
+            "kv_cache_dtype": core.config.cache.kv_cache_dtype,
+            "kv_cache_bytes_per_block": core.kv_cache_bytes[0],
+            "kv_cache_element_bytes": core.kv_cache_bytes[1],
             "tensor_parallel_size": core.config.parallel.tensor_parallel_size,
             "eos_token_ids": list(core.eos_token_ids),
+            "enable_prefix_caching": core.config.scheduler.enable_prefix_caching,
+            "prefix_caching_hash_algo": core.config.scheduler.prefix_caching_hash_algo,
         }
 
     def add_request(self, request: Request) -> None:
@@ -61,7 +67,7 @@ class EngineActor:
         """Everything produced since the last call; waits up to timeout_s for something."""
         self._check_alive()
         with self._have_outputs:
-            if not self._outputs:
+            if not self._outputs and not self._outputs.cache_events:
                 if self.core.dead is not None:
                     # The engine gave up on its workers and its failed requests' records are
                     # out: from now on the caller learns it is gone (and can replace it).
@@ -102,9 +108,12 @@ class EngineActor:
                     self._have_work.clear()
                     continue
                 outputs = self.core.step()
-                if outputs:
+                events = self.core.take_cache_events()
+                if events:
+                    outputs.cache_events += events
+                if outputs or events:
                     with self._have_outputs:
-                        if self._outputs:
+                        if self._outputs or self._outputs.cache_events:
                             self._outputs.extend(outputs)
                         else:
                             self._outputs = outputs

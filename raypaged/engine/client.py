@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -26,6 +26,7 @@ from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import Request
 from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
 from raypaged.engine.actor import EngineActor
+from raypaged.engine.interface import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
-class AsyncEngineClient:
+class AsyncEngineClient(EngineClient):
     def __init__(self, actor: ray.actor.ActorHandle[EngineActor], model_info: dict[str, Any]) -> None:
         self.actor = actor
-        self.model_info = model_info
+        self._model_info = model_info
         self._streams: dict[str, _Stream] = {}  # by engine id
         self._engine_ids: dict[str, str] = {}  # group id -> engine id, while it streams
         self._next_engine_seq = itertools.count()
@@ -60,17 +61,22 @@ class AsyncEngineClient:
         self._pump_task: asyncio.Task[None] | None = None
         # The engine's load as of the last batch pulled (None until the first): the front
         # door's shedding reads it (frontend/load_shedding.py).
-        self.load: EngineLoad | None = None
+        self._load: EngineLoad | None = None
+        # Called with each pulled batch's prefix-cache events and load (a data-parallel router's
+        # feed, frontend/data_parallel.py); None: nobody listens.
+        self.on_batch: Callable[[list[int], EngineLoad | None], None] | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, actor_name: str | None = None) -> AsyncEngineClient:
+    async def start(cls, config: EngineConfig, actor_name: str | None = None,
+                    gpu_share: float = 1.0) -> AsyncEngineClient:
         """Create the engine actor (it takes a GPU itself only when it runs the model in
-        process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready."""
+        process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready.
+        gpu_share: the part of that GPU it reserves (data-parallel engines sharing a card)."""
         gpus: float = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]  # unannotated in Ray
         in_process_gpu = (not config.parallel.uses_ray_workers and config.model_settings.device != "cpu"
                           and gpus >= 1)
         options: dict[str, Any] = dict(max_concurrency=32, num_cpus=0 if not in_process_gpu else 1,
-                       num_gpus=1 if in_process_gpu else 0)
+                       num_gpus=gpu_share if in_process_gpu else 0)
         if actor_name:
             options.update(name=actor_name, get_if_exists=False)
         # Ray types what .remote() makes as ActorProxy, a handle or the class itself.
@@ -179,7 +185,9 @@ class AsyncEngineClient:
                 self._fail_all(f"the engine is gone: {_unwrap(e)}")
                 return
             if outputs.load is not None:
-                self.load = outputs.load
+                self._load = outputs.load
+            if self.on_batch is not None:
+                self.on_batch(outputs.cache_events, outputs.load)
             for out in outputs:
                 stream = self._streams.get(out.group_id)
                 if stream is not None:  # else: a request that ended here already
@@ -194,6 +202,19 @@ class AsyncEngineClient:
         self._gone.set()
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(message))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's scheduler stats (engine/actor.py EngineActor.stats)."""
+        stats: dict[str, Any] = await self.actor.stats.remote()
+        return stats
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return self._model_info
+
+    @property
+    def load(self) -> EngineLoad | None:
+        return self._load
 
     @property
     def is_alive(self) -> bool:

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from raypaged.config import EngineConfig
+from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
 from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
@@ -28,7 +28,8 @@ from raypaged.core.kv_cache_groups import make_kv_cache_manager
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
 from raypaged.core.parallel_sampling import end_records
-from raypaged.core.request import FinishReason, Request, RequestStatus
+from raypaged.core.request import ENGINE_FAILED, FinishReason, Request, RequestStatus
+from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
 from raypaged.executor.base import Executor
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
@@ -91,6 +92,8 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks(self.max_model_len,
                                                              self.max_num_batched_tokens)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+        # (bytes of one block, of one value) on each rank: the metrics' and model_info's pool size.
+        self.kv_cache_bytes = self.executor.collective_rpc("kv_cache_sizes")[0]
         contiguous = config.cache.kv_cache_mode == "contiguous"
         self.scheduler = make_scheduler(config.scheduler.build(self.num_blocks, self.max_model_len),
                                         kv_cache_manager=self._contiguous_manager() if contiguous
@@ -110,9 +113,10 @@ class EngineCore:
         # Everything allocated so far lives as long as the engine: keep the collector from
         # rescanning it on every step (the scheduler allocates a few objects per request per step).
         gc.freeze()
-        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_config.architecture, self.num_blocks, config.scheduler.block_size,
-                    self.max_model_len)
+        logger.info("engine ready: %s, %d KV blocks of %d tokens (%s, %d bytes a block per rank), "
+                    "max_model_len %d", self.model_config.architecture, self.num_blocks,
+                    config.scheduler.block_size, config.cache.kv_cache_dtype,
+                    self.kv_cache_bytes[0], self.max_model_len)
 
     def add_request(self, request: Request) -> None:
         """Queue a request (its sampling params already validated). EOS comes from the model
@@ -195,6 +199,15 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         compiling = self._structured is not None and self._structured.num_compiling > 0
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or compiling
+
+    def record_cache_events(self) -> None:
+        """Keep the prefix cache's events for take_cache_events (the engine actor does, every step)."""
+        with self._lock:
+            self.scheduler.kv_cache_manager.record_cache_events()
+
+    def take_cache_events(self) -> list[int]:
+        with self._lock:
+            return self.scheduler.kv_cache_manager.take_cache_events()
 
     def step(self) -> EngineCoreOutputs:
         """One engine step: schedule, execute, update; the workers answer the step in this call.
@@ -325,7 +338,7 @@ class EngineCore:
                 if self.scheduler.requests else []
         outputs = EngineCoreOutputs()
         for out in failed:
-            out.error = self.dead
+            out.error, out.stop_reason = self.dead, ENGINE_FAILED
             outputs.append(out)
         return outputs
 
@@ -337,14 +350,40 @@ class EngineCore:
         self.executor = self._executor_class(self.config, self.model_dir)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
 
-    def _paged_manager(self) -> KVCacheManagerInterface:
+    def _paged_manager(self) -> KVCacheManagerInterface | None:
         """The paged manager over the model's KV-cache groups (the workers' pools are laid out
         from the same config.cache.kv_groups): one table per group, sliding groups keeping only
-        their window."""
+        their window. One full group: the host tier's manager, or None (the scheduler's own)."""
         groups = self.config.cache.kv_groups(self.model_config.all_windows())
+        if len(groups) == 1 and not groups[0].is_sliding:
+            return self._tiered_manager()
+        if self.config.cache.kv_offload_size:
+            self.executor.shutdown()
+            raise ConfigError("kv_offload_size does not serve KV-cache groups (a model with "
+                              "sliding-window layers) yet: add --no-kv-cache-groups")
         return make_kv_cache_manager(self.num_blocks, self.config.scheduler.block_size, groups,
                                      self.config.scheduler.enable_prefix_caching,
                                      max_tokens_per_step=self.max_num_batched_tokens)
+
+    def _tiered_manager(self) -> TieredKVCacheManager | None:
+        """The host tier behind the GPU pool (cache.kv_offload_size), of as many blocks as every
+        rank's host pool holds; None without one."""
+        cache = self.config.cache
+        if not cache.kv_offload_size:
+            return None
+        num_host_blocks = min(self.executor.collective_rpc("num_host_blocks"))
+        if num_host_blocks < 1:
+            self.executor.shutdown()
+            raise ConfigError(f"kv_offload_size ({cache.kv_offload_size} GiB) holds no KV block")
+        settings = self.config.scheduler
+        if not settings.enable_prefix_caching and cache.preemption_mode != "swap":
+            logger.warning("kv_offload_size without prefix caching or swap preemption: the host "
+                           "tier holds nothing a request could use")
+        return TieredKVCacheManager(
+            self.num_blocks, settings.block_size, settings.enable_prefix_caching,
+            num_host_blocks=num_host_blocks, swap_preemption=cache.preemption_mode == "swap",
+            block_bytes=sum(self.executor.collective_rpc("bytes_per_block")),
+            hash_algo=settings.prefix_caching_hash_algo)
 
     def _contiguous_manager(self) -> ContiguousKVCacheManager:
         """The reservation baseline (kv_cache_mode "contiguous"). A pool smaller than one

@@ -1,25 +1,26 @@
 """Bearer-token authentication: a server interceptor that refuses, with UNAUTHENTICATED, every
-call whose `authorization` metadata is not `Bearer <token>`.
+call whose `authorization` metadata is not `Bearer <key>` of a known key.
 
-Health checks stay open (load balancers and Kubernetes probes carry no token); everything else,
-reflection included, needs the token. The token is compared in constant time. Without TLS the
-token crosses the network in clear text: `raypaged launch` warns about that.
+The keys are a TenantRegistry (frontend/tenants.py): one token (`--auth-token`), or one key per
+tenant from a keys file (`--api-keys-file`, frontend/keys_file.py), or both. Health checks stay
+open (load balancers and Kubernetes probes carry no token); everything else, reflection
+included, needs a key. Keys are looked up by their SHA-256 (no timing says anything about them).
+Without TLS a key crosses the network in clear text: `raypaged launch` warns about that.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 
 import grpc
 
 from raypaged import envs
+from raypaged.frontend.tenants import AUTHORIZATION_KEY, TenantRegistry, check_key
 
 # grpc.aio's interceptor signature: the next interceptor, or the handler lookup.
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 
 AUTH_TOKEN_ENV = "RAYPAGED_AUTH_TOKEN"
-AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case
 OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
 
 
@@ -35,16 +36,14 @@ def auth_token_from_env() -> str | None:
 
 def check_token(token: str) -> str:
     """The token, refused when it could not safely travel in a header or is too weak."""
-    if len(token) < 16:
-        raise ValueError("the auth token must have at least 16 characters")
-    if not token.isascii() or not token.isprintable() or " " in token:
-        raise ValueError("the auth token must be printable ASCII without spaces")
-    return token
+    return check_key(token, "the auth token")
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str, open_method_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
-        self._expected = f"Bearer {check_token(token)}".encode()
+    def __init__(self, keys: str | TenantRegistry,
+                 open_method_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
+        """keys: one token, or a registry of API keys."""
+        self.registry = TenantRegistry.single(check_token(keys)) if isinstance(keys, str) else keys
         self._open = open_method_prefixes
 
     async def intercept_service(self, continuation: Continuation,
@@ -58,12 +57,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                         "missing or wrong bearer token (send metadata 'authorization: Bearer <token>')")
 
     def _authorized(self, metadata) -> bool:
-        values = [value for key, value in (metadata or ()) if key == AUTHORIZATION_KEY]
-        if len(values) != 1:
-            return False
-        value = values[0]
-        given = value.encode() if isinstance(value, str) else bytes(value)
-        return hmac.compare_digest(given, self._expected)
+        return self.registry.from_metadata(metadata) is not None
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:

@@ -48,6 +48,11 @@ class FrontendMetrics:
     process, as in tests). Label values: the served model's name and an engine index (a Ray
     Serve replica sets its own)."""
 
+    # Families whose label values are known only per call (a code, a reason, a tenant).
+    PER_CALL_FAMILIES = ("request_errors", "requests_shed", "tenant_requests", "tenant_prompt_tokens",
+                         "tenant_generation_tokens", "tenant_requests_refused", "tenant_requests_in_flight",
+                         "kv_cache_group_blocks")
+
     def __init__(self, model_name: str, max_model_len: int, engine: str = "0",
                  registry: CollectorRegistry | None = None) -> None:
         # As vLLM: no `_created` series beside every counter and histogram (process-wide).
@@ -76,6 +81,16 @@ class FrontendMetrics:
         self.prefix_cache_hits = make(
             Counter, "prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.")
+        # The host tier of KV blocks (--kv-offload-size); zero without one.
+        self.host_cache_hits = make(
+            Counter, "host_cache_hits",
+            "Of the prefix cache hits, tokens found in the host tier (the rest: in GPU memory).")
+        self.kv_offloaded_bytes = make(
+            Counter, "kv_offloaded_bytes", "KV bytes copied from GPU to host memory, all ranks.")
+        self.kv_loaded_bytes = make(
+            Counter, "kv_loaded_bytes", "KV bytes copied from host to GPU memory, all ranks.")
+        self.kv_host_free_blocks = make(
+            Gauge, "kv_host_free_blocks", "Host-tier KV blocks that hold nothing.")
         self.num_preemptions = make(
             Counter, "num_preemptions",
             "Cumulative number of preemption from the engine.")
@@ -97,6 +112,15 @@ class FrontendMetrics:
         self.kv_cache_shared_saved_slots = make(
             Gauge, "kv_cache_shared_saved_slots",
             "KV-cache slots saved by sharing blocks (prefix cache, parallel sampling).")
+        # The pool's size in memory, per rank (an FP8 pool: one byte a value, twice the blocks).
+        self.kv_cache_block_bytes = make(
+            Gauge, "kv_cache_block_bytes",
+            "Bytes one KV-cache block takes on each rank (all layers, K and V).")
+        self.kv_cache_bytes = make(Gauge, "kv_cache_bytes",
+                                   "Bytes of the KV-cache pool on each rank.")
+        self.kv_cache_element_bytes = make(
+            Gauge, "kv_cache_element_bytes",
+            "Bytes of one cached K or V value: 2 for bf16/fp16, 1 for an FP8 pool.")
 
         # Models whose layers differ: blocks held per KV-cache group (core/kv_cache_groups.py),
         # by group index and window ("full" for full attention). No series with one group.
@@ -118,9 +142,28 @@ class FrontendMetrics:
         self.request_errors = Counter("raypaged_request_errors",
                                       "Requests refused or failed, by gRPC status code.",
                                       names + ["code"], registry=self.registry)
+        self.streams_replayed = make(Counter, "streams_replayed",
+                                     "Streams that went on on a new engine after theirs died.")
         self.requests_shed = Counter("raypaged_requests_shed",
                                      "Requests refused under overload (429 / RESOURCE_EXHAUSTED), by reason.",
                                      names + ["reason"], registry=self.registry)
+        # Per tenant (API key, frontend/tenants.py): labelled by its name as well.
+        tenant_names = names + ["tenant"]
+        self.tenant_requests = Counter("raypaged_tenant_requests", "Requests admitted, per tenant.",
+                                       tenant_names, registry=self.registry)
+        self.tenant_prompt_tokens = Counter("raypaged_tenant_prompt_tokens",
+                                            "Prompt tokens of the requests admitted, per tenant.",
+                                            tenant_names, registry=self.registry)
+        self.tenant_generation_tokens = Counter("raypaged_tenant_generation_tokens",
+                                                "Tokens generated, per tenant.", tenant_names,
+                                                registry=self.registry)
+        self.tenant_requests_refused = Counter(
+            "raypaged_tenant_requests_refused",
+            "Requests refused with 429 / RESOURCE_EXHAUSTED, per tenant and reason (its own "
+            "limits, or the server's overload shedding).", tenant_names + ["reason"], registry=self.registry)
+        self.tenant_requests_in_flight = Gauge("raypaged_tenant_requests_in_flight",
+                                               "Requests in flight, per tenant.", tenant_names,
+                                               registry=self.registry)
         self._values = values
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = make(
@@ -151,6 +194,15 @@ class FrontendMetrics:
 
         self._last_engine_totals: dict[str, int] = {}
 
+    def record_kv_pool(self, model_info: dict) -> None:
+        """The pool's size from the engine's model_info (set once: it never changes)."""
+        block_bytes = model_info.get("kv_cache_bytes_per_block")
+        if block_bytes is None:
+            return
+        self.kv_cache_block_bytes.set(block_bytes)
+        self.kv_cache_bytes.set(block_bytes * model_info["num_blocks"])
+        self.kv_cache_element_bytes.set(model_info["kv_cache_element_bytes"])
+
     def record_engine_stats(self, stats: SchedulerStats) -> None:
         kv = stats.kv_cache
         self.num_requests_running.set(stats.num_running)
@@ -169,6 +221,10 @@ class FrontendMetrics:
                                self.prefix_cache_queries)
         self._add_engine_total("prefix_cache_hits", kv.prefix_cache_hits, self.prefix_cache_hits)
         self._add_engine_total("num_preemptions", stats.num_preemptions, self.num_preemptions)
+        self._add_engine_total("host_cache_hits", kv.host_cache_hits, self.host_cache_hits)
+        self._add_engine_total("kv_offloaded_bytes", kv.offloaded_bytes, self.kv_offloaded_bytes)
+        self._add_engine_total("kv_loaded_bytes", kv.loaded_bytes, self.kv_loaded_bytes)
+        self.kv_host_free_blocks.set(kv.num_host_free_blocks)
 
     def _add_engine_total(self, name: str, total: int, counter) -> None:
         """The engine keeps running totals; the counter gets what was added since the last poll
@@ -183,6 +239,20 @@ class FrontendMetrics:
     def record_shed(self, reason: str) -> None:
         """A request shed by the front door (frontend/load_shedding.py SHED_REASONS)."""
         self.requests_shed.labels(*self._values, reason).inc()
+
+    def record_tenant_admitted(self, tenant: str, num_prompt_tokens: int) -> None:
+        self.tenant_requests.labels(*self._values, tenant).inc()
+        self.tenant_prompt_tokens.labels(*self._values, tenant).inc(num_prompt_tokens)
+
+    def record_tenant_tokens(self, tenant: str, generated: int) -> None:
+        self.tenant_generation_tokens.labels(*self._values, tenant).inc(generated)
+
+    def record_tenant_refused(self, tenant: str, reason: str) -> None:
+        """reason: frontend/rate_limit.py REASONS or frontend/load_shedding.py SHED_REASONS."""
+        self.tenant_requests_refused.labels(*self._values, tenant, reason).inc()
+
+    def record_tenant_in_flight(self, tenant: str, in_flight: int) -> None:
+        self.tenant_requests_in_flight.labels(*self._values, tenant).set(in_flight)
 
     def track(self, num_prompt_tokens: int, n: int, max_tokens: int) -> RequestTracker:
         self.request_params_n.observe(n)

@@ -7,7 +7,8 @@ cancelled (and so aborted in the engine), and the engine goes last.
 
 A dead engine (its actor died, or it gave up on its workers): health NOT_SERVING at once, and
 with an engine factory the supervisor (frontend/supervisor.py) brings a new one and health goes
-back to SERVING. Optional TLS (frontend/tls.py) and bearer token (frontend/auth.py).
+back to SERVING; the streams in flight go on on it (frontend/replay.py). Optional TLS
+(frontend/tls.py) and bearer token or API keys (frontend/auth.py, frontend/tenants.py).
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from raypaged.engine.client import AsyncEngineClient
+from raypaged.engine.interface import EngineClient
 from raypaged.frontend.auth import BearerTokenInterceptor
+from raypaged.frontend.data_parallel import DataParallelEngineClient, EngineHandle
 from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import MalformedRequestInterceptor
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.metrics_http import MetricsHTTPServer
+from raypaged.frontend.replay import ReplayingEngine
 from raypaged.frontend.service import GenerationService
 from raypaged.frontend.servicer import RaypagedServicer
 from raypaged.frontend.supervisor import EngineFactory, EngineSupervisor, RestartPolicy
+from raypaged.frontend.tenants import TenantRegistry
 from raypaged.frontend.tls import TLSConfig
 from raypaged.frontend.validation import RequestLimits
 from raypaged.proto.v1 import SERVICE_NAME, raypaged_pb2_grpc
@@ -53,12 +58,14 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tls: TLSConfig | None = None  # None: plain text (fine on loopback only)
     auth_token: str | None = None  # set: every call but health needs "authorization: Bearer <it>"
+    # API keys, each a tenant (frontend/tenants.py); with auth_token too, that is one more key.
+    tenants: TenantRegistry | None = None
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)  # with an engine factory
     overload: OverloadPolicy = field(default_factory=OverloadPolicy)  # load shedding, request timeout
 
 
 class FrontendServer:
-    def __init__(self, engine: AsyncEngineClient, tokenizer: Any, config: ServerConfig | None = None,
+    def __init__(self, engine: EngineHandle, tokenizer: Any, config: ServerConfig | None = None,
                  owns_engine: bool = False, engine_factory: EngineFactory | None = None) -> None:
         """config: None for the defaults (a ServerConfig of this server's own: it is mutable).
         engine_factory: how to start a new engine when this one dies (None: stay NOT_SERVING)."""
@@ -68,11 +75,22 @@ class FrontendServer:
         self.config = config
         self.owns_engine = owns_engine
         info = engine.model_info
-        service = GenerationService(engine, tokenizer, model_name=config.model_name, limits=config.limits,
-                                    overload=config.overload)
+        # The service streams through the replaying engine: with a supervisor, a stream whose
+        # engine dies goes on on the next one.
+        # Data-parallel replicas carry their streams over to one another themselves.
+        self.replay = None if isinstance(engine, DataParallelEngineClient) else ReplayingEngine(
+            engine, config.restart_policy.recovery_timeout_s if engine_factory is not None else 0.0)
+        front: EngineClient = engine if self.replay is None else self.replay
+        service = GenerationService(front, tokenizer, model_name=config.model_name,
+                                    limits=config.limits, overload=config.overload)
         self.metrics = FrontendMetrics(service.model_name, info["max_model_len"])
+        self.metrics.record_kv_pool(info)
         service.metrics = self.metrics
+        if self.replay is not None:
+            self.replay.on_replay = self.metrics.streams_replayed.inc
         self.service = service
+        self.tenants = TenantRegistry.merge(
+            (config.tenants, None if config.auth_token is None else TenantRegistry.single(config.auth_token)))
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -97,13 +115,13 @@ class FrontendServer:
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
         ]
         interceptors: list[grpc.aio.ServerInterceptor] = []
-        if config.auth_token is not None:
-            interceptors.append(BearerTokenInterceptor(config.auth_token))  # before any parsing
+        if self.tenants is not None:
+            interceptors.append(BearerTokenInterceptor(self.tenants))  # before any parsing
         # Every service with unary requests (reflection, request-streaming, is left to grpc).
         interceptors.append(MalformedRequestInterceptor((SERVICE_NAME, health.SERVICE_NAME)))
         credentials = config.tls.server_credentials() if config.tls is not None else None
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        raypaged_pb2_grpc.add_RaypagedServiceServicer_to_server(RaypagedServicer(self.service), server)
+        raypaged_pb2_grpc.add_RaypagedServiceServicer_to_server(RaypagedServicer(self.service, self.tenants), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -139,25 +157,35 @@ class FrontendServer:
 
     async def _watch_engine(self) -> None:
         """Health NOT_SERVING the moment the engine is gone; then, with a supervisor, a new
-        engine and SERVING again. (Requests meanwhile get UNAVAILABLE from the service.)"""
+        engine and SERVING again. (Streams and new requests meanwhile wait for it, within the
+        restart policy's recovery_timeout_s.)"""
         while True:
             reason = await self.engine.wait_dead()
             logger.error("%s: health is NOT_SERVING", reason)
+            dead = self.engine
+            if not isinstance(dead, AsyncEngineClient) or self.replay is None:
+                # Data-parallel replicas are replaced one by one by their own client: here
+                # every one of them is gone for good.
+                await self._set_health(NOT_SERVING)
+                return
+            self.replay.lost(dead)
             await self._set_health(NOT_SERVING)
             if self.supervisor is None:
+                self.replay.give_up()
                 return
-            engine = await self.supervisor.replace(self.engine)
+            engine = await self.supervisor.replace(dead)
             if engine is None:
+                self.replay.give_up()
                 return
             self.engine = engine
-            self.service.engine = engine
+            self.replay.swap(engine)
             await self._poll_engine_once()
             await self._set_health(SERVING)
             logger.info("engine replaced: health is SERVING")
 
     async def _poll_engine_once(self) -> None:
         try:
-            stats = await self.engine.actor.stats.remote()
+            stats = await self.engine.stats()
             self.metrics.record_engine_stats(stats["scheduler"])
         except Exception:  # the pump notices a dead engine; here a missed poll is all
             logger.debug("engine stats poll failed", exc_info=True)

@@ -21,10 +21,12 @@ from raypaged.core.errors import (
     UnknownRequestError,
 )
 from raypaged.core.sample_ids import sample_id
-from raypaged.engine.client import AsyncEngineClient
+from raypaged.engine.interface import EngineClient
 from raypaged.frontend.errors import ServerShuttingDownError
 from raypaged.frontend.load_shedding import LoadShedder, OverloadPolicy, ShedError
 from raypaged.frontend.metrics import FrontendMetrics
+from raypaged.frontend.tenant_door import TenantDoor
+from raypaged.frontend.tenants import Tenant
 from raypaged.frontend.validation import ModelLimits, RequestLimits, prepare_request
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.text.output_processor import RequestOutputProcessor
@@ -34,7 +36,7 @@ T = TypeVar("T")
 
 
 class GenerationService:
-    def __init__(self, engine: AsyncEngineClient, tokenizer: Any, *, model_name: str | None = None,
+    def __init__(self, engine: EngineClient, tokenizer: Any, *, model_name: str | None = None,
                  limits: RequestLimits = RequestLimits(),  # noqa: B008 (frozen: one shared instance is safe)
                  metrics: FrontendMetrics | None = None, overload: OverloadPolicy | None = None) -> None:
         """overload: when to shed new requests and the default request timeout (None: never
@@ -47,8 +49,10 @@ class GenerationService:
         self.model = ModelLimits.from_model_info(info)
         self.limits = limits
         self.metrics = metrics
+        self.tenants = TenantDoor(lambda: self.metrics)  # per-tenant limits, salt, priority
         self.accepting = True
-        self._in_flight: set[str] = set()  # group ids of requests being streamed
+        # Group ids of the requests being streamed → their tenant's name ("" for none).
+        self._in_flight: dict[str, str] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._stop_waiting = asyncio.Event()
@@ -57,18 +61,22 @@ class GenerationService:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def generate(self, message: pb.GenerateRequest,
-                       timeout_s: float | None = None) -> AsyncGenerator[pb.GenerateResponse, None]:
+    async def generate(self, message: pb.GenerateRequest, timeout_s: float | None = None,
+                       tenant: Tenant | None = None) -> AsyncGenerator[pb.GenerateResponse, None]:
         """timeout_s: this request's own timeout (default: the server's request_timeout_s);
         past it the request is aborted in the engine and RequestTimeoutError raised. Shed
-        requests raise ShedError (a QueueFullError) before anything reaches the engine."""
+        requests raise ShedError (a QueueFullError) before anything reaches the engine.
+        tenant: whose request it is (frontend/tenant_door.py: limits, cache salt, priority);
+        one over its limits raises TenantLimitError (a QueueFullError) the same way."""
         if not self.accepting:
             raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
         if not self.engine.is_alive:
             raise EngineDeadError("the engine is gone; the server cannot serve requests")
-        self._shed_check(lambda: self.shedder.check(self.engine.load))
+        self.tenants.check(tenant)
+        self._shed_check(lambda: self.shedder.check(self.engine.load), tenant)
         prepared = prepare_request(message, self.tokenizer, self.model, self.limits)
         request = prepared.request
+        self.tenants.apply(tenant, request)
         request_id = request.group_id
         if request_id in self._in_flight:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -76,12 +84,18 @@ class GenerationService:
             timeout_s = self.shedder.policy.request_timeout_s
         processor = RequestOutputProcessor(request, self.tokenizer, prepared.skip_special_tokens)
         # Last before the stream's try: an admission is given back only by its finally.
-        admission = self._shed_check(lambda: self.shedder.admit(request.num_prompt_tokens, self.engine.load))
+        admission = self._shed_check(lambda: self.shedder.admit(request.num_prompt_tokens, self.engine.load),
+                                     tenant)
+        try:
+            tenant_pass = self.tenants.admit(tenant, request.num_prompt_tokens)
+        except BaseException:
+            admission.close(completed=False)
+            raise
         tracker = None
         if self.metrics is not None:
             tracker = self.metrics.track(request.num_prompt_tokens, request.sampling_params.n,
                                          request.sampling_params.max_tokens)
-        self._in_flight.add(request_id)
+        self._in_flight[request_id] = tenant.name if tenant is not None else ""
         self._idle.clear()
         try:
             async with contextlib.aclosing(self.engine.generate(request, timeout_s)) as outputs:
@@ -90,6 +104,7 @@ class GenerationService:
                     processed = processor.process(out)
                     if processed is None:
                         continue
+                    tenant_pass.on_tokens(processed.num_new_tokens)
                     if tracker is not None:
                         tracker.on_tokens(out.sample_index, processed.num_new_tokens, out.queue_time_s)
                         if processed.finish_reason is not None:
@@ -112,6 +127,7 @@ class GenerationService:
                 e.retry_after_s = self.shedder.retry_after_s()
             if self.metrics is not None:
                 self.metrics.record_shed("waiting_requests")
+            self.tenants.refused(tenant, "waiting_requests")
             raise
         except (asyncio.CancelledError, GeneratorExit, RequestTimeoutError):
             # The client cancelled or its deadline passed: the handler is cancelled while it
@@ -122,20 +138,24 @@ class GenerationService:
             raise
         finally:
             admission.close(completed=processor.finished)
-            self._in_flight.discard(request_id)
+            tenant_pass.close()
+            self._in_flight.pop(request_id, None)
             if not self._in_flight:
                 self._idle.set()
 
-    def _shed_check(self, check: Callable[[], T]) -> T:
+    def _shed_check(self, check: Callable[[], T], tenant: Tenant | None) -> T:
         try:
             return check()
         except ShedError as e:
             if self.metrics is not None:
                 self.metrics.record_shed(e.reason)
+            self.tenants.refused(tenant, e.reason)
             raise
 
-    async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
-        if message.request_id not in self._in_flight:
+    async def abort(self, message: pb.AbortRequest, tenant: Tenant | None = None) -> pb.AbortResponse:
+        """tenant: who asks; another tenant's request is unknown to it, as one not in flight."""
+        owner = self._in_flight.get(message.request_id)
+        if owner is None or (tenant is not None and owner != tenant.name):
             raise UnknownRequestError(f"no request {message.request_id!r} is in flight on this server")
         await self.engine.abort(message.request_id)
         return pb.AbortResponse()

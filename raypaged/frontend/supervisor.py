@@ -4,7 +4,8 @@ The frontend notices a dead engine at once (the engine client's pump fails every
 EngineDeadError, so clients get UNAVAILABLE, never a hang) and turns health NOT_SERVING. The
 supervisor then removes what is left of the old engine (its actor, its workers' placement group)
 and starts a new one with exponential backoff; the server swaps it in and turns SERVING again.
-Requests that were in flight are not replayed: their clients got UNAVAILABLE and may retry.
+Streams in flight wait for it and go on there (frontend/replay.py), for at most
+`recovery_timeout_s`; past that they end with UNAVAILABLE.
 
 An engine that keeps dying soon after it starts backs off further each time (a crash loop must
 not hammer the cluster); one that stayed up for `stable_after_s` starts the next restart afresh.
@@ -36,10 +37,15 @@ class RestartPolicy:
     # trying and the server stays NOT_SERVING. None: keep trying.
     max_attempts: int | None = None
     retire_timeout_s: float = 30.0  # how long the old engine's shutdown may take
+    # How long streams in flight (and new requests) wait for a new engine after the engine is
+    # found dead, to go on there; past it they end with UNAVAILABLE. 0: they end at once.
+    recovery_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.initial_backoff_s <= self.max_backoff_s:
             raise ValueError("need 0 <= initial_backoff_s <= max_backoff_s")
+        if not 0 <= self.recovery_timeout_s < float("inf"):
+            raise ValueError("recovery_timeout_s must be >= 0 and finite (0: no replay)")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1 (or None: keep trying)")
 

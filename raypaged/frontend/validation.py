@@ -124,14 +124,15 @@ def structured_output_from_proto(message: pb.StructuredOutput) -> StructuredOutp
     kind = message.WhichOneof("kind")
     _check(kind is not None, "structured_output must set one of json_schema, json_object, regex, "
                              "choice, grammar")
+    gate = tuple(message.reasoning_end_token_ids)
     if kind == "json_schema":
-        return StructuredOutput(json=message.json_schema)
+        return StructuredOutput(json=message.json_schema, reasoning_end_token_ids=gate)
     if kind == "json_object":
         _check(message.json_object, "structured_output json_object must be true when set")
-        return StructuredOutput(json_object=True)
+        return StructuredOutput(json_object=True, reasoning_end_token_ids=gate)
     if kind == "choice":
-        return StructuredOutput(choice=tuple(message.choice.choice))
-    return StructuredOutput(**{kind: getattr(message, kind)})
+        return StructuredOutput(choice=tuple(message.choice.choice), reasoning_end_token_ids=gate)
+    return StructuredOutput(**{kind: getattr(message, kind)}, reasoning_end_token_ids=gate)
 
 
 def _request_id(request_id: str, limits: RequestLimits) -> str:

@@ -29,8 +29,11 @@ _MAX_BLOCK = 4096
 
 
 def scale_for(amax: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale that maps |x| <= amax onto e4m3's range."""
-    return (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
+    """The fp32 scale that maps |x| <= amax onto e4m3's range. The divisor is a tensor, not a
+    Python number: CUDA torch turns division by a scalar into multiplication by its (rounded)
+    reciprocal, one ulp off the IEEE quotient the kernel's div_rn and the CPU give."""
+    amax = amax.float()
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

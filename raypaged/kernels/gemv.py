@@ -24,9 +24,9 @@ Which rows take this kernel is ops.linear's choice (`launch_config`): up to DEFA
 up to MAX_ROWS where the device's tuned table (gemv_table.py, written by bench_gemv.py) found it
 faster than cuBLAS for that weight's shape.
 
-`gemv_fp8` is the FP8 (W8A8) variant for model/quantization: e4m3 rows and weights into the
-tensor cores' FP8 dot, the fp32 sums scaled by each row's and each output feature's scale before
-the epilogue, so the weight is read at one byte an element (ops.linear_fp8).
+WEIGHT_FP8 reads an e4m3 weight (one byte an element) and widens each tile to the rows' dtype
+in registers, the fp32 sums scaled by each output feature's scale before the epilogue: the
+weight-only FP8 product of gemv_fp8.py (ops.linear_fp8).
 
 `gemv_rope` and `gemv_silu_mul` run the product with the decoder's next elementwise step in the
 epilogue (gemv_epilogues.py): ops.linear_rope / linear_silu_mul, from EPILOGUE_MIN_ROWS rows
@@ -71,8 +71,7 @@ def _gemv_kernel(
     arrivals_ptr,  # [tiles] int32, zero between launches (split-K only)
     cos_ptr,  # [M, HALF] fp32 (ROPE only)
     sin_ptr,  # [M, HALF] fp32 (ROPE only)
-    w_scale_ptr,  # [N] fp32 (FP8 only)
-    x_scale_ptr,  # [M] fp32 (FP8 only)
+    w_scale_ptr,  # [N] fp32 (WEIGHT_FP8 only)
     M,
     N,
     K,
@@ -90,7 +89,7 @@ def _gemv_kernel(
     EPILOGUE: tl.constexpr,  # gemv_epilogues: PLAIN, ROPE or SILU_MUL
     HALF: tl.constexpr,  # ROPE: head_dim / 2
     DOT_MODE: tl.constexpr,
-    FP8: tl.constexpr,  # x and w are e4m3 (an FP8 dot), the sums scaled by x_scale[m] · w_scale[n]
+    WEIGHT_FP8: tl.constexpr,  # w is e4m3, widened to x's dtype; the sums scaled by w_scale[n]
     USE_PDL: tl.constexpr,
     TRIGGER_AT_END: tl.constexpr,  # PDL: let the next kernel launch at the end, not the start
 ):
@@ -120,11 +119,16 @@ def _gemv_kernel(
             x_mask = row_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if WEIGHT_FP8:  # e4m3 is exact in bf16, fp16 and fp32
+            if DOT_MODE == "native":
+                w = w.to(x.dtype)
+            else:
+                w = w.to(tl.float32)
         acc += dot(w, tl.trans(x), DOT_MODE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K == 1:
-        acc = _fp8_scaled(acc, w_scale_ptr, x_scale_ptr, cols, rows, col_ok, row_ok, FP8)
+        acc = _weight_scaled(acc, w_scale_ptr, cols, col_ok, WEIGHT_FP8)
         finish(acc, bias_ptr, out_ptr, cos, sin, tile, cols, rows, col_ok, row_ok,
                stride_om, rotated_features, HAS_BIAS, EPILOGUE, HALF, BLOCK_N, M_PAD)
     else:
@@ -139,7 +143,7 @@ def _gemv_kernel(
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partial_ptr + s * N * M_PAD + offsets, mask=col_ok[:, None],
                                  other=0.0, cache_modifier=".cg")
-            total = _fp8_scaled(total, w_scale_ptr, x_scale_ptr, cols, rows, col_ok, row_ok, FP8)
+            total = _weight_scaled(total, w_scale_ptr, cols, col_ok, WEIGHT_FP8)
             finish(total, bias_ptr, out_ptr, cos, sin, tile, cols, rows, col_ok,
                    row_ok, stride_om, rotated_features, HAS_BIAS, EPILOGUE, HALF, BLOCK_N, M_PAD)
             tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
@@ -148,13 +152,11 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _fp8_scaled(acc, w_scale_ptr, x_scale_ptr, cols, rows, col_ok, row_ok, FP8: tl.constexpr):
-    """FP8: the fp32 sums of e4m3 products times each row's and each output feature's scale
-    (as a row-wise scaled FP8 GEMM applies them, before the bias)."""
-    if FP8:
+def _weight_scaled(acc, w_scale_ptr, cols, col_ok, WEIGHT_FP8: tl.constexpr):
+    """WEIGHT_FP8: the fp32 sums times each output feature's scale (before the bias)."""
+    if WEIGHT_FP8:
         w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-        x_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
-        acc = acc * w_scale[:, None] * x_scale[None, :]
+        acc = acc * w_scale[:, None]
     return acc
 
 
@@ -332,24 +334,6 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def gemv_fp8(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict) -> torch.Tensor:
-    """The W8A8 product of e4m3 rows xq [M, K] (their scales x_scale [M, 1] fp32) and an e4m3
-    weight [N, K] (w_scale [N] fp32): (xq · weightᵀ) · x_scale · w_scaleᵀ (+ bias) -> [M, N] in
-    out_dtype, the products exact and summed in fp32 as in a scaled FP8 GEMM. The weight is read
-    once, at one byte an element. `config` from `launch_config(xq, weight)`."""
-    _check(xq, weight)
-    if xq.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"gemv_fp8 takes float8_e4m3fn operands, got {xq.dtype}")
-    if x_scale.numel() != xq.shape[0] or w_scale.numel() != weight.shape[0]:
-        raise ValueError(f"scales of {x_scale.numel()} rows and {w_scale.numel()} features for "
-                         f"x {tuple(xq.shape)} and weight {tuple(weight.shape)}")
-    out = torch.empty(xq.shape[0], weight.shape[0], dtype=out_dtype, device=xq.device)
-    _launch(xq, weight, bias, out, config, triton.cdiv(weight.shape[0], config["block_n"]),
-            fp8_scales=(w_scale.float().contiguous(), x_scale.float().contiguous()))
-    return out
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if not supports(x, weight):
         raise ValueError(f"gemv_triton takes x [M <= {MAX_ROWS}, K] and weight [N, K] of one dtype, "
@@ -373,7 +357,8 @@ def _dependents_at_end(epilogue: int) -> bool:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: dict, tiles: int, epilogue: int = PLAIN, cos: torch.Tensor | None = None,
             sin: torch.Tensor | None = None, rotated_features: int = 0, half: int = 1,
-            fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            weight_scale: torch.Tensor | None = None) -> None:
+    """One launch of the kernel; weight_scale [N] fp32: weight is e4m3 (WEIGHT_FP8)."""
     rows = x.shape[0]
     out_features, in_features = weight.shape
     block_n, block_k = config["block_n"], config["block_k"]
@@ -388,12 +373,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         arrivals = _arrivals(x.device)
     else:
         partial = arrivals = out  # unused
-    w_scale, x_scale = fp8_scales if fp8_scales is not None else (out, out)
-    # FP8: the tensor cores' FP8 dot on the GPU; the interpreter widens the operands to fp32.
-    mode = ("native" if x.is_cuda else "widen") if fp8_scales is not None else dot_mode(x)
+    mode = dot_mode(x)
     _gemv_kernel[(tiles, split_k)](
         x, weight, bias if bias is not None else out, out, partial, arrivals,
-        cos if cos is not None else out, sin if sin is not None else out, w_scale, x_scale,
+        cos if cos is not None else out, sin if sin is not None else out,
+        weight_scale if weight_scale is not None else out,
         rows, out_features, in_features, k_per_split, rotated_features,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
@@ -405,7 +389,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         EPILOGUE=epilogue,
         HALF=half,
         DOT_MODE=mode,
-        FP8=fp8_scales is not None,
+        WEIGHT_FP8=weight_scale is not None,
         TRIGGER_AT_END=_dependents_at_end(epilogue),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

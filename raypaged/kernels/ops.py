@@ -73,18 +73,18 @@ def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> t
     return quantize_rows_ref(x, static_scale)
 
 
-def linear_fp8(x: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-               w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The W8A8 product of x's e4m3 rows xq [T, K] (scales [T, 1]) and an e4m3 weight [N, K]
-    (scales [N]) in x's dtype, through the skinny GEMM where it takes a step of this many rows
-    (the decode steps `linear` gives it; it reads the weight at one byte an element), else None:
-    then the caller's FP8 GEMM (model/quantization/fp8.py) takes it."""
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight-only product of rows x [T, K] and an e4m3 weight [N, K] (scales [N]) in x's
+    dtype, (x · weightᵀ) · w_scale, through the skinny GEMM where it takes a step of this many
+    rows (decode; it reads the weight at one byte an element, gemv_fp8.py), else None: then the
+    caller's W8A8 GEMM (model/quantization/fp8.py) takes it."""
     if not _skinny_gemm_may_take(x):
         return None
-    from .gemv import gemv_fp8, launch_config
+    from .gemv_fp8 import gemv_w8a16, w8a16_config
 
-    config = launch_config(xq, weight)
-    return None if config is None else gemv_fp8(xq, x_scale, weight, w_scale, bias, x.dtype, config)
+    config = w8a16_config(x, weight)
+    return None if config is None else gemv_w8a16(x, weight, w_scale, bias, config)
 
 
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -168,14 +168,19 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store key/value [T, Hkv, D] at slot_mapping [T] (block_id*B + offset; -1 = skip)."""
+    """Store key/value [T, Hkv, D] at slot_mapping [T] (block_id*B + offset; -1 = skip).
+    An FP8 pool (kernels/kv_quant.py) needs its layer's k_scale / v_scale (one fp32 element
+    each, on the device) and stores the values quantized with them; a float pool takes none."""
     if backend_for(key) == "torch":
-        reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     from .write_kv import write_kv_triton
 
-    write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode(
@@ -190,21 +195,27 @@ def paged_decode(
     work: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request over its paged context. q [S, Hq, D] -> [S, Hq, D]. The launches
     depend on shapes only (CUDA-graph capturable for any mix of lengths).
 
     work: the step's work list from `plan_decode` (None: planned in this call), planned with
     the same sliding_window: the window's keys (p - W, p] are all a query reads, the blocks
-    before it are not touched. softcap: scores = softcap · tanh(scores / softcap)."""
+    before it are not touched. softcap: scores = softcap · tanh(scores / softcap).
+    k_scale / v_scale: an FP8 pool's scales, as `write_kv`'s (its values are dequantized as
+    they are read)."""
     if backend_for(q) == "torch":
         result = reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                            sliding_window=sliding_window, softcap=softcap)
+                                            sliding_window=sliding_window, softcap=softcap,
+                                            k_scale=k_scale, v_scale=v_scale)
         return _into(out, result)
     from .paged_decode import paged_decode_triton
 
     return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                               work=work, sliding_window=sliding_window, softcap=softcap)
+                               work=work, sliding_window=sliding_window, softcap=softcap,
+                               k_scale=k_scale, v_scale=v_scale)
 
 
 def plan_decode(seq_lens: torch.Tensor, num_kv_heads: int,
@@ -236,18 +247,21 @@ def paged_prefill(
     v_new: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens q [T, Hq, D] over cached prefix + themselves.
 
-    k_new / v_new [T, Hkv, D]: the step's keys/values just written for q's tokens. Optional;
-    the Triton kernel reads the new tokens from them instead of through the block table (the
-    reference reads the cache either way). sliding_window, softcap: as `paged_decode`'s (the
+    k_new / v_new [T, Hkv, D]: the step's keys/values just written for q's tokens, in q's
+    dtype. Optional; the Triton kernel reads the new tokens from them instead of through the
+    block table (quantized in the kernel as an FP8 pool holds them; the reference reads the
+    cache either way). sliding_window, softcap, k_scale, v_scale: as `paged_decode`'s (the
     kernel skips every tile wholly before its queries' windows).
     """
     if backend_for(q) == "torch":
         result = reference.paged_prefill_ref(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-            sliding_window=sliding_window, softcap=softcap,
+            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         )
         return _into(out, result)
     from .paged_prefill import paged_prefill_triton
@@ -255,6 +269,7 @@ def paged_prefill(
     return paged_prefill_triton(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
         k_new=k_new, v_new=v_new, sliding_window=sliding_window, softcap=softcap,
+        k_scale=k_scale, v_scale=v_scale,
     )
 
 

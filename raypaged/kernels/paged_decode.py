@@ -15,6 +15,9 @@ A sliding window needs nothing here: its work list (planned with the window) sta
 sequence's items at the window's first key. A table entry of -1 (a block a sliding KV-cache
 group gave back) is never loaded through: its keys count as absent. Soft-capping (SOFTCAP) maps each score s to
 c · tanh(s / c) before the softmax.
+
+An FP8 pool (FP8_KV, kernels/kv_quant.py) is widened to the queries' dtype as it is read; its
+layer's K scale multiplies the softmax scale and its V scale the output.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from .decode_work import (
     max_merges,
     plan_decode_work,
 )
+from .kv_quant import is_fp8
 from .pdl import pdl_launch, wait_for_inputs
 from .triton_common import dot, dot_mode, num_sms, softcap_scales, tanh
-from .validation import check_decode_inputs, check_window_and_softcap, output_for
+from .validation import check_decode_inputs, check_kv_scales, check_window_and_softcap, output_for
 
 
 # The block table's row stride is the widest table of the step: left unspecialised, so a width
@@ -55,6 +59,8 @@ def _decode_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     softcap_log2,
     stride_q_seq,
@@ -74,9 +80,12 @@ def _decode_kernel(
     DOT_MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     # SOFTCAP: scale_log2 is scale / cap and softcap_log2 is cap · log2(e) (softcap_scales).
     wait_for_inputs(USE_PDL)
+    if FP8_KV:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     # Heads innermost: the GPU starts programs in grid order, and the list's is largest first.
     kv_head = tl.program_id(0)
     item = tl.program_id(1)
@@ -116,6 +125,8 @@ def _decode_kernel(
         offsets = blocks * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot + head_offset
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            k = k.to(q.dtype)
         scores = dot(q, tl.trans(k), DOT_MODE) * scale_log2
         if SOFTCAP:
             scores = tanh(scores) * softcap_log2
@@ -126,11 +137,15 @@ def _decode_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
         m_i = m_new
 
     # l_i == 0 only for an empty (seq_len 0) sequence: its output is zeros.
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8_KV:
+        result = result * tl.load(v_scale_ptr)
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if count == 1:
         out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
@@ -245,9 +260,11 @@ def paged_decode_triton(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode, q [S, Hq, D] -> [S, Hq, D]. No host synchronisation; the launches depend on
-    shapes only.
+    shapes only. An FP8 pool takes its layer's k_scale / v_scale (one fp32 element each).
 
     sliding_window: each query reads only its last sliding_window keys; a `work` list given
     must have been planned with the same window (plan_work(..., sliding_window=)), which is
@@ -260,6 +277,7 @@ def paged_decode_triton(
     """
     check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     check_window_and_softcap(sliding_window, softcap)
+    check_kv_scales(k_cache, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = output_for(q, out)
@@ -293,6 +311,8 @@ def paged_decode_triton(
         out,
         partial_out,
         partial_lse,
+        k_scale,
+        v_scale,
         scale_arg,
         softcap_arg,
         q.stride(0),
@@ -312,6 +332,7 @@ def paged_decode_triton(
         TILE_N=tile_n,
         DOT_MODE=dot_mode(q),
         SOFTCAP=softcap is not None,
+        FP8_KV=is_fp8(k_cache.dtype),
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
         **pdl_launch(q),

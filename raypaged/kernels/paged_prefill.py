@@ -19,6 +19,11 @@ lower edge and skips every tile wholly before the program's earliest window: tho
 loaded, and a table entry of -1 there (a block a sliding KV-cache group gave back) is never
 loaded through. Soft-capping (SOFTCAP) maps each score s to c · tanh(s / c) before the softmax.
 
+An FP8 pool (FP8_KV, kernels/kv_quant.py) is widened to the queries' dtype as it is read, its
+layer's K scale folded into the softmax scale and its V scale into the output. The new tokens
+read from the step's own k/v are quantized in the tile exactly as the write kernel stored them,
+so every key is the same number whichever source it comes from (and decode reads it later).
+
 The grid is (num_q_heads, num_tokens // BLOCK_M + num_seqs): the second is an upper bound on the
 query tiles of any varlen batch of that many tokens and requests, so it depends on shapes only.
 Request s owns tile indices from query_start_loc[s] // BLOCK_M + s on; each program finds its
@@ -31,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import is_fp8, quantize_fp8_tile, round_fp8_args
 from .triton_common import dot, dot_mode, softcap_scales, tanh
-from .validation import check_prefill_inputs, check_window_and_softcap, output_for
+from .validation import check_kv_scales, check_prefill_inputs, check_window_and_softcap, output_for
 
 try:  # host-side TMA descriptors: triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -45,7 +51,7 @@ NEW_KV_SOURCES = {"cache": 0, "ptr": 1, "tma": 2}
 @triton.jit
 def _load_tile(ptrs, mask, MASKED: tl.constexpr):
     if MASKED:
-        return tl.load(ptrs, mask=mask, other=0)
+        return tl.load(ptrs, mask=mask, other=0.0)
     else:
         return tl.load(ptrs)
 
@@ -88,9 +94,13 @@ def _softmax_update(acc, m_i, l_i, q, k, v, qk_keep, scale_log2, MASKED: tl.cons
     m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale)
     if HAS_WINDOW:
         # Except under a window: a row may see nothing of the edge tile before its own window.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk * score_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+        # Its max stays -inf (a stand-in of 0 would stay the max under later negative scores,
+        # costing P's precision and, below 2^-126, all of it); only the exponents use the 0.
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_exp = m_new
+    p = tl.exp2(qk * score_scale - m_exp[:, None])
+    alpha = tl.exp2(m_i - m_exp)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
     return acc, m_new, l_i
@@ -101,7 +111,8 @@ def _attend_paged(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_of
                   kv_from, kv_to, scale_log2, stride_cache_block, stride_cache_slot, dims, dim_ok,
                   MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, DOT_MODE: tl.constexpr, softcap_log2, window,
-                  key_floor, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                  key_floor, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  FP8_KV: tl.constexpr):
     """Keys [kv_from, kv_to) through the block table. MASKED: bounds + causal (+ window)
     masks; under a window keys before key_floor (no row's window) are not loaded either."""
     for tile_start in range(kv_from, kv_to, BLOCK_N):
@@ -123,6 +134,9 @@ def _attend_paged(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_of
         kv_ptrs = (offsets + head_offset)[:, None] + dims[None, :]
         k = _load_tile(k_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
         v = _load_tile(v_cache_ptr + kv_ptrs, kv_mask, MASK_KV)
+        if FP8_KV:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         keep = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
         keep = _window_keep(keep, key_pos, query_pos, window, HAS_WINDOW and MASKED)
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE,
@@ -135,7 +149,8 @@ def _new_tile(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, 
               query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
               MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
               SOURCE: tl.constexpr, DOT_MODE: tl.constexpr, softcap_log2, window,
-              key_floor, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+              key_floor, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, k_scale, v_scale,
+              FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, E5M2: tl.constexpr):
     key_pos = tile_start + tl.arange(0, BLOCK_N)
     key_ok = key_pos < kv_to
     if HAS_WINDOW:
@@ -155,6 +170,10 @@ def _new_tile(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, 
         MASK_KV: tl.constexpr = MASKED or not EVEN_DIM
         k = _load_tile(k_new_ptr + ptrs, kv_mask, MASK_KV)
         v = _load_tile(v_new_ptr + ptrs, kv_mask, MASK_KV)
+    if FP8_KV:
+        # The values the write kernel stored (exact in q's dtype), unscaled as the pool's.
+        k = quantize_fp8_tile(k, k_scale, FP8_MAX, E5M2).to(q.dtype)
+        v = quantize_fp8_tile(v, v_scale, FP8_MAX, E5M2).to(q.dtype)
     keep = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
     keep = _window_keep(keep, key_pos, query_pos, window, HAS_WINDOW and MASKED)
     return _softmax_update(acc, m_i, l_i, q, k, v, keep, scale_log2, MASKED, DOT_MODE,
@@ -167,7 +186,8 @@ def _attend_new(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base
                 MASKED: tl.constexpr, EVEN_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 SOURCE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_MODE: tl.constexpr,
                 softcap_log2, window, key_floor, SOFTCAP: tl.constexpr,
-                HAS_WINDOW: tl.constexpr):
+                HAS_WINDOW: tl.constexpr, k_scale, v_scale, FP8_KV: tl.constexpr,
+                FP8_MAX: tl.constexpr, E5M2: tl.constexpr):
     """Keys [kv_from, kv_to) (sequence positions) from the step's contiguous k/v rows
     row_base + position. WARP_SPECIALIZE asks the compiler to split loads / MMA / softmax
     into warp groups (documented for Blackwell; tried on Hopper by the tune script)."""
@@ -177,14 +197,14 @@ def _attend_new(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base
                 acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
                 query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
                 MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE, softcap_log2, window, key_floor,
-                SOFTCAP, HAS_WINDOW)
+                SOFTCAP, HAS_WINDOW, k_scale, v_scale, FP8_KV, FP8_MAX, E5M2)
     else:
         for tile_start in range(kv_from, kv_to, BLOCK_N):
             acc, m_i, l_i = _new_tile(
                 acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base, desc_col,
                 query_pos, tile_start, kv_to, scale_log2, stride_new_tok, dims, dim_ok,
                 MASKED, EVEN_DIM, BLOCK_N, SOURCE, DOT_MODE, softcap_log2, window, key_floor,
-                SOFTCAP, HAS_WINDOW)
+                SOFTCAP, HAS_WINDOW, k_scale, v_scale, FP8_KV, FP8_MAX, E5M2)
     return acc, m_i, l_i
 
 
@@ -193,7 +213,7 @@ def _attend_new(acc, m_i, l_i, q, k_new_ptr, v_new_ptr, k_desc, v_desc, row_base
 @triton.jit(do_not_specialize=["num_seqs", "stride_table_seq", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    k_new_ptr, v_new_ptr, k_desc, v_desc,
+    k_new_ptr, v_new_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr,
     scale_log2, num_seqs, softcap_log2, window,
     stride_q_tok, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -203,6 +223,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr, NEW_KV: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     DOT_MODE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, E5M2: tl.constexpr,
 ):
     # A program owns BLOCK_M rows = TILE_TOKENS new tokens x HEADS_PER_PROGRAM query heads of
     # one KV head (row r: token r // HEADS_PER_PROGRAM, head r % HEADS_PER_PROGRAM), so with
@@ -249,6 +270,12 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        scale_log2 = scale_log2 * k_scale
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     kv_head = first_head // GROUP
     head_offset = kv_head.to(tl.int64) * stride_cache_head
@@ -276,17 +303,17 @@ def _prefill_kernel(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         lo, edge_end, scale_log2, stride_cache_block,
         stride_cache_slot, dims, dim_ok, True, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE,
-        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW, FP8_KV)
     acc, m_i, l_i = _attend_paged(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         tl.maximum(edge_end, lo), paged_split, scale_log2, stride_cache_block,
         stride_cache_slot, dims, dim_ok, False, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE,
-        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW, FP8_KV)
     acc, m_i, l_i = _attend_paged(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, head_offset, query_pos,
         tl.maximum(paged_split, lo), paged_end, scale_log2, stride_cache_block,
         stride_cache_slot, dims, dim_ok, True, EVEN_DIM, BLOCK_SIZE, BLOCK_N, DOT_MODE,
-        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+        softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW, FP8_KV)
     if NEW_KV != 0:
         # New tokens: tiles start at prefix_len, so with BLOCK_N | TILE_TOKENS the diagonal is
         # exactly the program's own tokens and everything before it runs unmasked.
@@ -301,19 +328,24 @@ def _prefill_kernel(
             acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
             new_lo, new_edge_end, scale_log2, stride_new_tok,
             dims, dim_ok, True, EVEN_DIM, BLOCK_N, NEW_KV, False, DOT_MODE,
-            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW, k_scale, v_scale, FP8_KV,
+            FP8_MAX, E5M2)
         acc, m_i, l_i = _attend_new(
             acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
             tl.maximum(new_edge_end, new_lo), new_unmasked_end, scale_log2, stride_new_tok,
             dims, dim_ok, False, EVEN_DIM, BLOCK_N, NEW_KV, WARP_SPECIALIZE, DOT_MODE,
-            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW, k_scale, v_scale, FP8_KV,
+            FP8_MAX, E5M2)
         acc, m_i, l_i = _attend_new(
             acc, m_i, l_i, q, k_head_ptr, v_head_ptr, k_desc, v_desc, row_base, desc_col, query_pos,
             tl.maximum(new_unmasked_end, new_lo), kv_end, scale_log2, stride_new_tok,
             dims, dim_ok, True, EVEN_DIM, BLOCK_N, NEW_KV, False, DOT_MODE,
-            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW)
+            softcap_log2, window, key_floor, SOFTCAP, HAS_WINDOW, k_scale, v_scale, FP8_KV,
+            FP8_MAX, E5M2)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8_KV:
+        result = result * v_scale
     tl.store(
         out_ptr + (tokens * stride_out_tok + heads * stride_out_head)[:, None] + dims[None, :],
         result.to(out_ptr.dtype.element_ty),
@@ -370,9 +402,11 @@ def _new_kv_usable(k_new, v_new, k_cache, q) -> bool:
             raise ValueError(f"k_new/v_new must be {expected}, got {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"k_new/v_new on {t.device}, expected {q.device}")
-    # The kernel shares one (token, head) stride pair between k_new and v_new.
-    return (k_new.dtype == v_new.dtype == k_cache.dtype and k_new.stride() == v_new.stride()
-            and k_new.stride(2) == 1)
+    # The kernel shares one (token, head) stride pair between k_new and v_new. An FP8 pool's
+    # new tokens come in q's dtype (the kernel quantizes them as the pool holds them).
+    cache_ok = k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)
+    return (k_new.dtype == v_new.dtype == q.dtype and cache_ok
+            and k_new.stride() == v_new.stride() and k_new.stride(2) == 1)
 
 
 def _descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor | None:
@@ -408,8 +442,11 @@ def paged_prefill_triton(
     warp_specialize: bool | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention, q [T, Hq, D] -> [T, Hq, D]. No host synchronisation.
+    An FP8 pool takes its layer's k_scale / v_scale (one fp32 element each).
 
     k_new / v_new [T, Hkv, D]: this step's keys/values, the same values that were written into
     the cache for q's tokens. Given, the new tokens are read from them rather than through the
@@ -420,6 +457,7 @@ def paged_prefill_triton(
     """
     check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     check_window_and_softcap(sliding_window, softcap)
+    check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = output_for(q, out)
@@ -449,7 +487,7 @@ def paged_prefill_triton(
     scale_arg, softcap_arg = softcap_scales(scale, softcap)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        k_new, v_new, k_desc, v_desc,
+        k_new, v_new, k_desc, v_desc, k_scale, v_scale,
         scale_arg, num_seqs, softcap_arg, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -467,6 +505,8 @@ def paged_prefill_triton(
         DOT_MODE=dot_mode(q),
         SOFTCAP=softcap is not None,
         HAS_WINDOW=sliding_window is not None,
+        FP8_KV=is_fp8(k_cache.dtype),
+        **round_fp8_args(k_cache.dtype),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

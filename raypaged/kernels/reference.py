@@ -15,6 +15,9 @@ Sliding window W (Mistral, Gemma's local layers): a query at position p attends 
 query's window are never gathered. Logit soft-capping c (Gemma 2): scores = c · tanh(scores / c)
 after the scale, before the mask, as transformers' eager attention does.
 
+FP8 pools (kernels/kv_quant.py): the write quantizes with the layer's k_scale / v_scale, the
+attention references dequantize what they gather (q · scale, fp32) before any arithmetic.
+
 Shapes (Hq query heads, Hkv KV heads, Hq % Hkv == 0, D head dim, B block size):
   k_cache, v_cache   [num_blocks, B, Hkv, D]
   block_tables       [S, max_blocks] int32   logical block i of request s -> physical block id
@@ -27,9 +30,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import dequantize_kv, is_fp8, quantize_kv
 from .validation import (
     check_cache_pair,
     check_decode_inputs,
+    check_kv_scales,
     check_prefill_inputs,
     check_table_contents,
     check_window_and_softcap,
@@ -43,9 +48,13 @@ def write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store key/value [T, Hkv, D] into the pools at slot_mapping; slot -1 writes nothing."""
+    """Store key/value [T, Hkv, D] into the pools at slot_mapping; slot -1 writes nothing. An
+    FP8 pool stores them quantized with k_scale / v_scale (kv_quant.quantize_kv)."""
     check_write_inputs(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_scales(k_cache, k_scale, v_scale)
     block_size = k_cache.shape[1]
     capacity = k_cache.shape[0] * block_size
     valid = slot_mapping >= 0
@@ -59,6 +68,11 @@ def write_kv_ref(
         raise ValueError("slot_mapping entries must be >= -1")
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced indexing on (block, offset) works for any cache strides (no flat view needed).
+    if k_scale is not None and v_scale is not None:  # an FP8 pool (checked above)
+        # As bytes: indexed stores of FP8 are not implemented on every device.
+        k_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(key[valid], k_scale, k_cache.dtype).view(torch.uint8)
+        v_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(value[valid], v_scale, v_cache.dtype).view(torch.uint8)
+        return
     k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
 
@@ -71,8 +85,10 @@ def _gather_context(
     block_size = cache.shape[1]
     first_block, num_blocks = start // block_size, -(-length // block_size)
     blocks = block_row[first_block:num_blocks].long()
-    # Slicing before any arithmetic drops the slots outside [start, length).
-    flat = cache[blocks].reshape((num_blocks - first_block) * block_size, *cache.shape[2:])
+    # Slicing before any arithmetic drops the slots outside [start, length). An FP8 pool is
+    # gathered as bytes (indexed loads of FP8 are not implemented on every device).
+    picked = cache.view(torch.uint8)[blocks].view(cache.dtype) if is_fp8(cache.dtype) else cache[blocks]
+    flat = picked.reshape((num_blocks - first_block) * block_size, *cache.shape[2:])
     return flat[start - first_block * block_size : length - first_block * block_size]
 
 
@@ -123,6 +139,8 @@ def _request_attention(
     compute_dtype: torch.dtype,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's new queries q [n, Hq, D] (the last n of its `length` positions)."""
     if q.shape[0] > length:
@@ -134,6 +152,8 @@ def _request_attention(
     start = _first_key(first_query_pos, sliding_window)
     k = _gather_context(k_cache, block_row, length, start)
     v = _gather_context(v_cache, block_row, length, start)
+    if k_scale is not None and v_scale is not None:  # an FP8 pool
+        k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
     return _attend(q, k, v, first_query_pos, scale, compute_dtype, start, sliding_window,
                    softcap).to(q.dtype)
 
@@ -150,9 +170,12 @@ def paged_prefill_ref(
     compute_dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over cached prefix + themselves (within the
     sliding window if given, scores soft-capped at `softcap` if given; module docstring).
+    k_scale / v_scale: an FP8 pool's scales (its values are dequantized before any product).
 
     q [T, Hq, D]; query_start_loc [S+1] int32; seq_lens [S] int32 (prefix + new tokens, all
     already in the cache). Query i of request s sits at position seq_lens[s] - q_len_s + i.
@@ -162,6 +185,7 @@ def paged_prefill_ref(
     """
     check_prefill_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     check_window_and_softcap(sliding_window, softcap)
+    check_kv_scales(k_cache, k_scale, v_scale)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     firsts = [_first_key(length - (b - a), sliding_window)
@@ -174,7 +198,7 @@ def paged_prefill_ref(
         rows = slice(starts[s], starts[s + 1])
         out[rows] = _request_attention(
             q[rows], k_cache, v_cache, block_tables[s], length, scale, compute_dtype,
-            sliding_window, softcap,
+            sliding_window, softcap, k_scale, v_scale,
         )
     return out
 
@@ -190,13 +214,17 @@ def paged_decode_ref(
     compute_dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request (its last position, already written). q [S, Hq, D].
 
-    A request with seq_len 0 (batch padding) gets zeros. sliding_window, softcap: as prefill's.
+    A request with seq_len 0 (batch padding) gets zeros. sliding_window, softcap, k_scale,
+    v_scale: as prefill's.
     """
     check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     check_window_and_softcap(sliding_window, softcap)
+    check_kv_scales(k_cache, k_scale, v_scale)
     lengths = seq_lens.tolist()
     firsts = [_first_key(length - 1, sliding_window) for length in lengths]
     check_table_contents(block_tables, lengths, k_cache.shape[0], k_cache.shape[1], firsts)
@@ -207,7 +235,7 @@ def paged_decode_ref(
             continue
         out[s : s + 1] = _request_attention(
             q[s : s + 1], k_cache, v_cache, block_tables[s], length, scale, compute_dtype,
-            sliding_window, softcap,
+            sliding_window, softcap, k_scale, v_scale,
         )
     return out
 
@@ -231,8 +259,10 @@ def copy_blocks_ref(
         raise ValueError(f"block_copies ids must be in [0, {num_blocks})")
     if int(torch.unique(block_copies[:, 1]).numel()) != block_copies.shape[0]:
         raise ValueError("block_copies names the same destination twice")
-    for cache in (*k_caches, *v_caches):
-        index = block_copies.to(cache.device)
+    for pool in (*k_caches, *v_caches):
+        index = block_copies.to(pool.device)
+        # Bytes, for an FP8 pool: index_copy_ has no FP8 kernel (the copy is exact either way).
+        cache = pool.view(torch.uint8) if is_fp8(pool.dtype) else pool
         # index_select gathers every source before any destination is overwritten.
         cache.index_copy_(0, index[:, 1], cache.index_select(0, index[:, 0]))
 

@@ -7,6 +7,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from raypaged import envs
 
 LOG2_E = 1.4426950408889634
 
@@ -37,9 +40,21 @@ def dot(a, b, MODE: tl.constexpr):
 
 
 @triton.jit
-def tanh(x):
-    """tanh from exp (the interpreter has no libdevice): 2 sigmoid(2x) - 1, exact at the tails."""
+def _tanh_from_sigmoid(x):
+    """2 sigmoid(2x) - 1: exact at the tails, and under the interpreter (numpy's exp) near 0 too."""
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _tanh_libdevice(x):
+    """CUDA's tanhf (~1 ulp). The sigmoid form on the GPU's approximate exp loses ~1e-5 of
+    tanh's relative precision near 0 to cancellation, enough to flip fp32 greedy tokens."""
+    return libdevice.tanh(x)
+
+
+# Triton decides when a kernel module is imported whether its kernels are interpreted, from the
+# same variable; the interpreter has no libdevice.
+tanh = _tanh_from_sigmoid if envs.TRITON_INTERPRET else _tanh_libdevice
 
 
 def softcap_scales(scale: float, softcap: float | None) -> tuple[float, float]:

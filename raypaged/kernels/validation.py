@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A pool may also hold FP8 K/V (kernels/kv_quant.py), read with its layer's scales.
+CACHE_DTYPES = (*SUPPORTED_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -20,9 +22,9 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in SUPPORTED_DTYPES:
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES:
         raise ValueError(
-            f"KV cache dtypes must match and be one of {SUPPORTED_DTYPES}, "
+            f"KV cache dtypes must match and be one of {CACHE_DTYPES}, "
             f"got {k_cache.dtype}/{v_cache.dtype}"
         )
     if k_cache.device != v_cache.device:
@@ -46,8 +48,9 @@ def _check_index(name: str, tensor: torch.Tensor, dim: int, dtypes: tuple, devic
 def _check_queries(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES or (q.dtype != k_cache.dtype and not _is_fp8(k_cache)):
+        raise ValueError(f"q dtype {q.dtype} does not fit a cache of {k_cache.dtype} (an FP8 "
+                         f"cache takes any of {SUPPORTED_DTYPES}, any other its own dtype)")
     if q.device != k_cache.device:
         raise ValueError(f"q on {q.device} but cache on {k_cache.device}")
     if q.shape[2] != k_cache.shape[3]:
@@ -60,8 +63,31 @@ def _check_queries(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError("q head_dim must be contiguous (stride 1)")
 
 
+def _is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype in CACHE_DTYPES[len(SUPPORTED_DTYPES):]
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> None:
+    """An FP8 pool needs its layer's K and V scales (one fp32 element each, on its device); a
+    float pool takes none. Reads no data."""
+    if not _is_fp8(k_cache):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale are for FP8 KV caches; this one is {k_cache.dtype}")
+        return
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"an FP8 KV cache ({k_cache.dtype}) needs {name}")
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != k_cache.device:
+            raise ValueError(f"{name} must be one fp32 element on {k_cache.device}, got "
+                             f"{scale.dtype} {tuple(scale.shape)} on {scale.device}")
+
+
 def check_write_inputs(key, value, k_cache, v_cache, slot_mapping) -> None:
     check_cache_pair(k_cache, v_cache)
+    if key.dtype not in SUPPORTED_DTYPES or value.dtype != key.dtype:
+        raise ValueError(f"key/value must share one of {SUPPORTED_DTYPES}, got "
+                         f"{key.dtype}/{value.dtype}")
     expected = (key.shape[0], *k_cache.shape[2:])
     if tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise ValueError(

@@ -12,6 +12,9 @@ it (`window_decode_work`), so every layer of that window shares it.
 KV-cache groups (models whose layers differ: core/kv_cache_groups.py): each group has its own
 block tables and slot mapping; the metadata carries them all ([G, S, W], [G, T]) with each
 layer's group, and `for_layer(i)` is layer i's view (its group's tables, the rest shared).
+An FP8 pool (--kv-cache-dtype fp8, kernels/kv_quant.py) holds K/V quantized with the layer's
+`k_scale` / `v_scale` (buffers: the checkpoint's, model/kv_scales.py, else 1.0); the layer hands
+them to every op when its pool is FP8, which the pool's dtype says.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from raypaged.kernels import ops
+from raypaged.kernels.kv_quant import is_fp8
 
 
 @dataclass
@@ -129,6 +133,11 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+        # Device tensors, so no step reads them on the host (and graphs capture their address).
+        self.k_scale: torch.Tensor
+        self.v_scale: torch.Tensor
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -147,7 +156,10 @@ class PagedAttention(nn.Module):
                 f"KV cache holds {tuple(k_cache.shape[2:])} (heads, head_dim) per slot; this rank's "
                 f"attention needs ({self.num_kv_heads}, {self.head_dim})"
             )
-        ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = ((self.k_scale, self.v_scale) if is_fp8(k_cache.dtype)
+                            else (None, None))
+        ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale,
+                     v_scale=v_scale)
 
         if out is None:
             out = torch.empty_like(query)
@@ -167,6 +179,8 @@ class PagedAttention(nn.Module):
                 work=work,
                 sliding_window=window,
                 softcap=softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if meta.num_prefills:
             ops.paged_prefill(
@@ -183,5 +197,7 @@ class PagedAttention(nn.Module):
                 v_new=value[num_decode_tokens:],
                 sliding_window=window,
                 softcap=softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
+from .kv_scales import attention_layers, kv_scale_loaders, uses_checkpoint_scales, warn_missing_scales
 from .layers import WeightShapeError
 from .llama import CheckpointTarget, LlamaForCausalLM
 from .parallel import get_tp_rank, get_tp_size
@@ -99,12 +100,15 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LlamaForCausalLM:
     """The decoder for this process's TP rank (see parallel.py), weights loaded, in eval mode.
 
     quantization: "fp8" quantizes a float checkpoint's linear layers at load; None serves the
     checkpoint as stored (an FP8 checkpoint in FP8). model/quantization/schemes.py says which
-    checkpoint formats are read; anything else quantized is an error here."""
+    checkpoint formats are read; anything else quantized is an error here. kv_cache_dtype: the
+    KV pool's (--kv-cache-dtype); an e4m3 pool reads the checkpoint's k/v scales
+    (model/kv_scales.py)."""
     config = model if isinstance(model, ModelConfig) else ModelConfig.from_pretrained(model)
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
@@ -126,10 +130,14 @@ def load_model(
         decoder = MODEL_REGISTRY[config.architecture](config)
     decoder.eval()
     plan = None if scheme is None else plan_quantization(decoder, scheme, device)
+    kv_scales = uses_checkpoint_scales(kv_cache_dtype)
     if load_format == "dummy":
         stats = load_dummy_weights(decoder, seed=seed, progress=progress)
+        if kv_scales:
+            warn_missing_scales(attention_layers(decoder), {})
     else:
-        stats = load_weights(decoder, config.model_dir, progress=progress, plan=plan)  # type: ignore[arg-type]
+        stats = load_weights(decoder, config.model_dir, progress=progress, plan=plan,  # type: ignore[arg-type]
+                             kv_scales=kv_scales)
     if plan is not None:
         plan.finish()
     logger.info(
@@ -250,15 +258,23 @@ def _check_metadata(targets: dict[str, CheckpointTarget], files: dict[str, Path]
 def load_weights(
     model: LlamaForCausalLM, model_dir: str | Path, *, progress: bool = True,
     plan: QuantizationPlan | None = None,
+    kv_scales: bool = False,
 ) -> LoadStats:
     """Fill `model` (built for this TP rank) from the safetensors checkpoint in `model_dir`;
-    with `plan`, also the FP8 scales it adds (the caller runs plan.finish() after)."""
+    with `plan`, also the FP8 scales it adds (the caller runs plan.finish() after); with
+    kv_scales, the attention layers' k/v scales the checkpoint has (else they are ignored)."""
     targets = model.checkpoint_tensors()
     if plan is not None:
         targets.update(plan.targets)
     files = checkpoint_files(model_dir)
-    _check_names(targets, files, model.config.tie_word_embeddings,
-                 plan.ignored_suffixes if plan is not None else ())
+    layers = attention_layers(model)
+    scale_loaders = kv_scale_loaders(layers, set(files))
+    ignored = plan.ignored_suffixes if plan is not None else ()
+    if kv_scales:
+        targets.update({name: CheckpointTarget(loader, "scale") for name, loader in scale_loaders.items()})
+    else:
+        ignored += tuple(scale_loaders)
+    _check_names(targets, files, model.config.tie_word_embeddings, ignored)
     _check_metadata(targets, files, plan.dtypes if plan is not None else None)
 
     stats = LoadStats(files=sorted({p.name for p in files.values()}))
@@ -278,6 +294,8 @@ def load_weights(
                         raise CheckpointError(str(e)) from e
                     stats.tensors += 1
                     bar.update(1)
+    if kv_scales:
+        warn_missing_scales(layers, scale_loaders)
     return stats
 
 

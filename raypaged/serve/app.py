@@ -19,7 +19,9 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
+from raypaged.demo import DEMO_MODEL_DIR
 from raypaged.serve.args import ServeAppArgs
 from raypaged.serve.deployment import RaypagedDeployment
 from raypaged.serve.placement import replica_bundles, uses_gpu
@@ -46,7 +48,22 @@ def deployment_options(args: ServeAppArgs, cluster_gpus: float) -> dict[str, Any
         options["autoscaling_config"] = args.autoscaling.to_serve()
     else:
         options["num_replicas"] = args.num_replicas
+    if args.autoscaling is not None or (args.num_replicas or 1) > 1:
+        options["request_router_config"] = request_router_config(args)
     return options
+
+
+def request_router_config(args: ServeAppArgs) -> RequestRouterConfig:
+    """Serve's router for several replicas: serve/prefix_request_router.py, fed by each
+    replica's routing stats once a second."""
+    engine = args.engine
+    settings: dict[str, Any] = {
+        "request_router_class": "raypaged.serve.prefix_request_router:PrefixAwareRequestRouter",
+        "request_router_kwargs": {"block_size": engine.scheduler.block_size, "policy": args.routing_policy,
+                                  "tokenizer": engine.model_settings.tokenizer or engine.model_settings.model
+                                  or str(DEMO_MODEL_DIR)},
+        "request_routing_stats_period_s": 1.0}
+    return RequestRouterConfig(**settings)
 
 
 def _cluster_gpus() -> float:

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raypaged.config import SERVING_MAX_WAITING_REQUESTS, ConfigError, EngineConfig
+from raypaged.frontend.keys_file import KeysFileError, load_keys_file
+from raypaged.frontend.prefix_router import ROUTING_POLICIES
+from raypaged.frontend.tenants import TenantRegistry
 from raypaged.frontend.validation import RequestLimits
 from raypaged.text.chat_parsing import ChatParsing
 
@@ -49,6 +52,8 @@ class ServeAppArgs:
     # Requests one replica accepts at once before Serve queues them at the proxy; must exceed
     # the autoscaling target or the target can never be reached.
     max_ongoing_requests: int = 256
+    # With several replicas: how Serve's router picks one (frontend/prefix_router.py policies).
+    routing_policy: str = "prefix"
     replica_num_cpus: float = 1.0  # the replica actor's own CPU (HTTP / gRPC handling)
     stats_interval_s: float = 1.0
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -56,10 +61,21 @@ class ServeAppArgs:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # The API keys file (frontend/keys_file.py), read by every replica: it must be at this path
+    # on every node (a mounted secret). None: no authentication. Limits are per replica.
+    api_keys_file: str | None = None
 
     @property
     def chat_parsing(self) -> ChatParsing:
         return ChatParsing(self.tool_call_parser, self.enable_auto_tool_choice, self.reasoning_parser)
+
+    def api_keys(self) -> TenantRegistry | None:
+        if self.api_keys_file is None:
+            return None
+        try:
+            return load_keys_file(self.api_keys_file)
+        except KeysFileError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> ServeAppArgs:
@@ -95,9 +111,14 @@ class ServeAppArgs:
     def validate(self) -> None:
         self.engine.validate()
         self.chat_parsing.validate()
+        self.api_keys()  # a malformed file fails the deploy, not every replica's start
         checks = [
             (self.num_replicas is None or self.num_replicas >= 1, "num_replicas must be >= 1"),
             (self.max_ongoing_requests >= 1, "max_ongoing_requests must be >= 1"),
+            (self.routing_policy in ROUTING_POLICIES, f"routing_policy must be one of {ROUTING_POLICIES}"),
+            (self.engine.scheduler.prefix_caching_hash_algo == "sha256"
+             or (self.num_replicas == 1 and self.autoscaling is None),
+             "several replicas are routed by block hashes: prefix_caching_hash_algo must be sha256"),
             (self.replica_num_cpus >= 0, "replica_num_cpus must be >= 0"),
             (self.stats_interval_s > 0, "stats_interval_s must be > 0"),
             (self.served_model_name is None or (bool(self.served_model_names) and all(

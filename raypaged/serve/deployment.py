@@ -8,6 +8,10 @@ arrive through Serve's gRPC proxy, which calls the method named like the RPC (`G
 
 A request whose client goes away (HTTP disconnect, gRPC cancel) is cancelled by Serve; leaving
 GenerationService.generate then aborts it in the engine, which frees its KV blocks.
+
+With `api_keys_file`, both transports need a known key (HTTP `Authorization: Bearer <key>`, gRPC
+metadata `authorization`): 401 / UNAUTHENTICATED otherwise. Each key's limits are this
+replica's (N replicas let a key through up to N times its limits).
 """
 
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods, and
@@ -23,15 +27,20 @@ from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 from ray import serve
 
+from raypaged.core.outputs import EngineLoad
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import refuse_undecodable
 from raypaged.frontend.metrics import FrontendMetrics
+from raypaged.frontend.prefix_router import PrefixRouter
 from raypaged.frontend.service import GenerationService
+from raypaged.frontend.tenants import Tenant, unused_priorities_warning
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
-from raypaged.serve.openai_api import OpenAIFrontDoor, RequestTimeout, install_error_handlers
+from raypaged.serve.openai_api import Authorization, OpenAIFrontDoor, RequestTimeout, install_error_handlers
+from raypaged.serve.openai_errors import unauthenticated
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+from raypaged.serve.prefix_request_router import routing_value
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
 logger = logging.getLogger(__name__)
@@ -48,6 +57,9 @@ class RaypagedDeployment:
         config = args.engine
         self.args = args
         self.engine = await AsyncEngineClient.start(config)
+        # This replica's prefix cache as its engine reports it, for Serve's request router.
+        self._cache_view = PrefixRouter(1)
+        self.engine.on_batch = self._on_engine_batch
         info = self.engine.model_info
         tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
         names = args.served_model_names
@@ -57,10 +69,15 @@ class RaypagedDeployment:
         self.replica_id = serve.get_replica_context().replica_tag
         self._headers = {"x-raypaged-replica": self.replica_id}  # which replica answered
         self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
+        self.metrics.record_kv_pool(info)
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
+        self.tenants = args.api_keys()
+        unused = unused_priorities_warning(self.tenants, config.scheduler.scheduling_policy)
+        if unused is not None:
+            logger.warning("%s", unused)
         self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers, model_names=names,
-                                      parsing=args.chat_parsing)
+                                      parsing=args.chat_parsing, tenants=self.tenants)
         self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
         logger.info("raypaged replica %s ready: %s (%d KV blocks of %d, tp %d)", self.replica_id,
                     self.service.model_name, info["num_blocks"], info["block_size"],
@@ -72,28 +89,31 @@ class RaypagedDeployment:
 
     # ---- OpenAI HTTP: serve/openai_api.py ------------------------------------------------------
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return await self.openai.models()
+    async def models(self, authorization: Authorization = None) -> dict[str, Any]:
+        return await self.openai.models(authorization)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
         return await self.openai.health()
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, timeout: RequestTimeout = None) -> Any:
-        return await self.openai.completions(body, timeout)
+    async def completions(self, body: CompletionRequest, timeout: RequestTimeout = None,
+                          authorization: Authorization = None) -> Any:
+        return await self.openai.completions(body, timeout, authorization)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, timeout: RequestTimeout = None) -> Any:
-        return await self.openai.chat_completions(body, timeout)
+    async def chat_completions(self, body: ChatCompletionRequest, timeout: RequestTimeout = None,
+                               authorization: Authorization = None) -> Any:
+        return await self.openai.chat_completions(body, timeout, authorization)
 
     # ---- raypaged.v1 through Serve's gRPC proxy ------------------------------------------------
     # A request whose bytes did not parse arrives as an Undecodable (serve/grpc_ingress.py).
     async def Generate(self, request: pb.GenerateRequest,
                        grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            tenant = self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
-            async for response in self.service.generate(request):
+            async for response in self.service.generate(request, tenant=tenant):
                 yield response
         except Exception as e:
             self._grpc_refused(grpc_context, e)
@@ -102,19 +122,31 @@ class RaypagedDeployment:
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
         """Reaches one replica: a request streaming on another answers NOT_FOUND here."""
         try:
+            tenant = self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
-            return await self.service.abort(request)
+            return await self.service.abort(request, tenant)
         except Exception as e:
             self._grpc_refused(grpc_context, e)
             raise
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:
         try:
+            self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
         except Exception as e:
             self._grpc_refused(grpc_context, e)
             raise
         return self.service.model_info()
+
+    def _grpc_tenant(self, grpc_context) -> Tenant | None:
+        """The caller's tenant from its metadata (None without keys); no known key: refused."""
+        if self.tenants is None:
+            return None
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        tenant = self.tenants.from_metadata(metadata)
+        if tenant is None:
+            raise unauthenticated()
+        return tenant
 
     def _grpc_refused(self, grpc_context, error: Exception) -> None:
         """Serve's proxy answers with the code set on the context when the method then raises."""
@@ -132,11 +164,24 @@ class RaypagedDeployment:
         if not self.engine.is_alive:
             raise RuntimeError("the engine is gone")
 
+    def _on_engine_batch(self, events: list[int], load: EngineLoad | None) -> None:
+        self._cache_view.apply_events(0, events)
+        if load is not None:
+            self._cache_view.update_load(0, load)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's request router (serve/prefix_request_router.py) reads of this replica."""
+        state = self._cache_view.replicas[0]
+        load = state.load or EngineLoad(0, 0, 0.0)
+        return {"cached": [routing_value(v) for v in state.cached], "num_waiting": load.num_waiting,
+                "num_running": load.num_running, "kv_usage": load.kv_usage}
+
     async def engine_stats(self) -> dict[str, Any]:
         stats = await self.engine.actor.stats.remote()
         return {"replica": self.replica_id, "num_running": stats["num_running"],
                 "num_waiting": stats["num_waiting"], "num_blocks": stats["scheduler"].kv_cache.num_blocks,
                 "num_free_blocks": stats["scheduler"].kv_cache.num_free_blocks,
+                "prefix_cache_hits": stats["scheduler"].kv_cache.prefix_cache_hits,
                 "in_flight": self.service.num_in_flight}
 
     def metrics_text(self) -> str:

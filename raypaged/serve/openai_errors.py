@@ -67,6 +67,12 @@ class OpenAIError(Exception):
         return cls(HTTP_STATUS.get(code, 500), message, grpc_code=code, headers=headers)
 
 
+def unauthenticated() -> OpenAIError:
+    """A request without a known API key (bearer token)."""
+    return OpenAIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                       grpc_code=grpc.StatusCode.UNAUTHENTICATED, headers={"WWW-Authenticate": "Bearer"})
+
+
 def model_not_found(requested: str, served: str | Sequence[str]) -> OpenAIError:
     names = ", ".join(f"`{name}`" for name in ([served] if isinstance(served, str) else served))
     return OpenAIError(404, f"The model `{requested}` does not exist; this server serves {names}.",

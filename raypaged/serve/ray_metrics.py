@@ -64,7 +64,7 @@ class RayMetricsMirror:
                 setattr(metrics, name, self.mirror(value))
             elif isinstance(value, dict) and value and all(_is_child(v) for v in value.values()):
                 setattr(metrics, name, {k: self.mirror(v) for k, v in value.items()})
-            elif name in ("request_errors", "requests_shed", "kv_cache_group_blocks"):  # labelled per call
+            elif name in metrics.PER_CALL_FAMILIES:
                 setattr(metrics, name, _MirroredFamily(value, self))
 
     def mirror(self, child: Any) -> _Mirrored:

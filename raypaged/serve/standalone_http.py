@@ -2,8 +2,9 @@
 uvicorn in the caller's event loop (`raypaged serve`, beside the gRPC server).
 
 The routes are serve/openai_api.py's ROUTES, answered by the same OpenAIFrontDoor the Serve
-deployment uses. What the gRPC server enforces, this one does too: a bearer token on every route
-but /health (compared in constant time; 401 in OpenAI's shape), a bound on the request body
+deployment uses. What the gRPC server enforces, this one does too: a known API key (the bearer
+token, or a key of the keys file: frontend/tenants.py) on every route but /health, checked
+before the body is read (401 in OpenAI's shape), a bound on the request body
 (413), and TLS with optional client certificates. Signals are the caller's: uvicorn's own
 handlers are not installed.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import socket
 import ssl
 from collections.abc import Iterator
@@ -22,42 +22,42 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from raypaged.frontend.tenants import TenantRegistry
 from raypaged.frontend.tls import TLSConfig
 from raypaged.serve.openai_api import ROUTES, OpenAIFrontDoor, install_error_handlers
-from raypaged.serve.openai_errors import OpenAIError
+from raypaged.serve.openai_errors import OpenAIError, unauthenticated
 
 OPEN_PATHS = frozenset({"/health"})  # what a load balancer probes without the token
 
 
 def build_http_app(front: OpenAIFrontDoor, *, auth_token: str | None = None,
                    max_body_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+    """The keys checked up front are the front door's (front.tenants) and auth_token, if given."""
     app = FastAPI(title="raypaged", description="OpenAI-compatible API of raypaged serve")
     install_error_handlers(app)
     for method, path, name in ROUTES:
         app.add_api_route(path, getattr(front, name), methods=[method])
-    app.add_middleware(_Guard, auth_token=auth_token, max_body_bytes=max_body_bytes)
+    keys = TenantRegistry.merge((front.tenants, None if auth_token is None else TenantRegistry.single(auth_token)))
+    app.add_middleware(_Guard, keys=keys, max_body_bytes=max_body_bytes)
     return app
 
 
 class _Guard:
-    """ASGI middleware: the bearer token first (before the body is read), then the body bound,
+    """ASGI middleware: the API key first (before the body is read), then the body bound,
     on the declared Content-Length and on the bytes that actually arrive (chunked bodies)."""
 
-    def __init__(self, app: Any, *, auth_token: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, *, keys: TenantRegistry | None, max_body_bytes: int) -> None:
         self.app = app
-        self.expected = None if auth_token is None else f"Bearer {auth_token}".encode()
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = OpenAIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                                    headers={"WWW-Authenticate": "Bearer"})
-                return await _answer(error, scope, receive, send)
+        if self.keys is not None and scope["path"] not in OPEN_PATHS:
+            if self.keys.authenticate(headers.get(b"authorization")) is None:
+                return await _answer(unauthenticated(), scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _answer(self._too_large(), scope, receive, send)

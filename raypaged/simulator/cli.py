@@ -8,15 +8,19 @@ sub-commands start fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from raypaged.config.sections import KV_CACHE_DTYPES, kv_cache_value_bytes
+
 TRACE_CHOICES = ("sharegpt", "fixed", "shared-prefix", "all")
 ALLOCATOR_CHOICES = ("paged", "contiguous", "contiguous-pow2", "contiguous-oracle")
 DEFAULT_OUT = Path("benchmarks/results")
-_LAYERED_OPTIONS = ("model", "contexts", "block_size", "max_num_batched_tokens", "out", "no_plot")
+_LAYERED_OPTIONS = ("model", "contexts", "block_size", "max_num_batched_tokens", "kv_cache_dtype", "out",
+                    "no_plot")
 
 
 def _positive_int(text: str) -> int:
@@ -32,7 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--trace", choices=TRACE_CHOICES, default="all")
     p.add_argument("--num-requests", type=_positive_int, default=500)
-    p.add_argument("--num-blocks", type=_positive_int, default=1000, help="KV pool size in blocks")
+    p.add_argument("--num-blocks", type=_positive_int, default=1000,
+                   help="KV pool size in blocks of a 16-bit KV cache (the memory the pool takes)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="auto: 16-bit K/V (bf16); fp8*: one byte a value, so the same memory holds "
+                        "twice the blocks (uniform) and a request's KV takes half the bytes (gemma3)")
     p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--max-model-len", type=_positive_int, default=2048)
     p.add_argument("--max-num-seqs", type=_positive_int, default=256)
@@ -83,7 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from raypaged.simulator.simulate import SimConfig, simulate
     from raypaged.simulator.traces import TRACE_NAMES, make_trace
 
-    config = SimConfig(num_blocks=args.num_blocks, block_size=args.block_size,
+    # The same memory holds 2 / (bytes a value) times the 16-bit pool's blocks.
+    num_blocks = args.num_blocks * 2 // kv_cache_value_bytes(args.kv_cache_dtype)
+    if num_blocks != args.num_blocks:
+        print(f"KV cache {args.kv_cache_dtype}: {num_blocks} blocks in the memory of "
+              f"{args.num_blocks} 16-bit ones")
+    config = SimConfig(num_blocks=num_blocks, block_size=args.block_size,
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens)
     names = TRACE_NAMES if args.trace == "all" else (args.trace,)
@@ -134,7 +147,9 @@ def run_kv_groups(args: argparse.Namespace) -> int:
     from raypaged.simulator.kv_groups import MODELS, format_report, kv_per_request
     from raypaged.simulator.report import write_record
 
-    report = kv_per_request(MODELS[args.model], block_size=args.block_size,
+    model = dataclasses.replace(MODELS[args.model],
+                                dtype_bytes=kv_cache_value_bytes(args.kv_cache_dtype))
+    report = kv_per_request(model, block_size=args.block_size,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             contexts=tuple(args.contexts))
     print(format_report(report))

@@ -11,6 +11,9 @@ like any other: the step's mask then depends on the token the step before sample
 when the step is scheduled. Such a step is marked grammar_deferred (its forward runs at once, its
 sampling waits), and the next step scheduled — after the engine has taken that token, so every
 matcher is where the deferred step needs it — carries the deferred step's masks.
+
+A resumed request (Request.resumed_output_token_ids) gets its matcher advanced over the outputs
+it brings before it is queued, so its masks go on from where its first engine left off.
 """
 
 from __future__ import annotations
@@ -97,7 +100,14 @@ class StructuredOutputManager:
                 if error is not None:
                     failed.append((entry.request, f"structured output grammar failed to compile: {error}"))
                     continue
-                entry.request.constraint = GrammarConstraint(future.result())
+                spec = entry.request.sampling_params.structured_output
+                assert spec is not None
+                constraint = GrammarConstraint(future.result(), reasoning_end=spec.reasoning_end_token_ids)
+                if not all(constraint.accept(t) for t in entry.request.resumed_output_token_ids):
+                    failed.append((entry.request, "the resumed outputs do not match the structured "
+                                                  "output grammar"))
+                    continue
+                entry.request.constraint = constraint
                 self._live_groups.add(entry.request.group_id)
                 ready.append(entry.request)
             elif now > entry.deadline:

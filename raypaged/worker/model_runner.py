@@ -1,9 +1,10 @@
 """ModelRunner: applies each SchedulerOutput to the persistent batch, runs the model, samples.
 
-One step: drop finished requests → add new ones → apply the cached requests' diffs → copy-on-write
-block copies → build input ids, positions, slot mapping, block tables and sequence lengths →
-forward (each attention layer writes K/V by slot mapping, then reads the pool through the block
-tables) → logits of the requests that reached their last token → sample.
+One step: drop finished requests → add new ones → apply the cached requests' diffs → the host
+tier's offloads and loads (worker/kv_offload.py) → copy-on-write block copies → build input ids,
+positions, slot mapping, block tables and sequence lengths → forward (each attention layer writes
+K/V by slot mapping, then reads the pool through the block tables) → logits of the requests that
+reached their last token → sample.
 
 Asynchronous scheduling (async_output): each call answers the *previous* step, so the host work of
 step N+1 (this diff, inputs, launches) overlaps the GPU running step N. A call launches its step's
@@ -34,6 +35,7 @@ from raypaged.worker.async_output import InFlightTokens, add_sampled_tokens
 from raypaged.worker.block_table import BlockTable
 from raypaged.worker.cuda_graph import DecodeGraphs
 from raypaged.worker.kv_layout import unique_caches
+from raypaged.worker.kv_offload import HostKVCache
 from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from raypaged.worker.prompt_logprobs import score_prompts
 from raypaged.worker.sampler import Sampler, SamplingMetadata
@@ -105,6 +107,8 @@ class ModelRunner:
         self._scoring: set[str] = set()  # requests held that asked for prompt logprobs
         # A grammar_deferred step's inputs and logits, sampled when the next call brings its masks.
         self._deferred: tuple[StepInputs, torch.Tensor | None] | None = None
+        # The host tier's pool on this rank (worker/kv_offload.py), when the engine has one.
+        self.host_kv: HostKVCache | None = None
 
     def capture_cuda_graphs(self, max_num_seqs: int, piecewise_max_tokens: int | None) -> None:
         """Full graphs for decode-only steps and, unless piecewise_max_tokens is None, piecewise
@@ -133,6 +137,9 @@ class ModelRunner:
         self._scoring.clear()
         self.in_flight.clear()
         self._deferred = None
+        if self.host_kv is not None:
+            self.host_kv.release()
+        self.host_kv = None
 
     # ---- applying the diff -------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -169,6 +176,12 @@ class ModelRunner:
             if block_ids:
                 self.block_table.append(state.row, out.group_new_block_ids[req_id]
                                         if several_groups else [block_ids])
+        if self.host_kv is not None:
+            self.host_kv.wait_for_prefetches()
+        if out.kv_transfers is not None:  # the host tier's copies come first (core/outputs.py)
+            if self.host_kv is None:
+                raise RuntimeError("the engine sent host-tier transfers to a worker without a host pool")
+            self.host_kv.apply(out.kv_transfers, self.kv_caches)
         if out.block_copies:
             # A block holds one group's layers: copied in every K/V pair once (layers of
             # different groups share pairs).

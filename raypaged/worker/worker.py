@@ -13,11 +13,13 @@ from raypaged.config import EngineConfig, KernelSettings
 from raypaged.config.sections import CPU_KV_CACHE_BYTES
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.kernels import gemv, ops, pdl
+from raypaged.kernels.kv_quant import check_kv_cache_device, resolve_kv_cache_dtype
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.loader import load_model
 from raypaged.worker.kv_layout import KVLayout
+from raypaged.worker.kv_offload import HostKVCache
 from raypaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class Worker:
         # The engine's KV manager is built from the same groups (EngineCore asks the same config).
         self.kv_layout = KVLayout(config.cache.kv_groups(self.model_config.all_windows()),
                                   self.model_config.num_hidden_layers)
+        # What the KV pool holds: the model's dtype, or FP8 (one byte a value).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
         # The engine's token budget per step, told in determine_num_blocks: no piecewise graph
@@ -83,19 +87,30 @@ class Worker:
         else:
             parallel.reset_tensor_parallel()
         torch.manual_seed(self.config.model_settings.seed)
+        check_kv_cache_device(self.kv_cache_dtype, self.device)
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, dtype=self.dtype, device=self.device,
                                 load_format=self.config.model_settings.load_format,
                                 seed=self.config.model_settings.seed,
-                                quantization=self.config.model_settings.quantization)
+                                quantization=self.config.model_settings.quantization,
+                                kv_cache_dtype=self.config.cache.kv_cache_dtype)
 
     def bytes_per_block(self) -> int:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         layers = self.kv_layout.layers_per_block  # a block holds one KV-cache group's layers
         return 2 * layers * self.config.scheduler.block_size * kv_heads * mc.head_dim * element
+
+    def kv_cache_sizes(self) -> tuple[int, int]:
+        """(bytes of one KV block, bytes of one cached value) on this rank."""
+        return self.bytes_per_block(), torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+
+    def num_host_blocks(self) -> int:
+        """Blocks of this rank's host tier (cache.kv_offload_size GiB); the engine takes the
+        minimum over ranks."""
+        return int(self.config.cache.kv_offload_size * 2**30) // self.bytes_per_block()
 
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """How many KV blocks this rank can hold; the executor takes the minimum over ranks."""
@@ -129,8 +144,9 @@ class Worker:
 
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
-        caches = [(torch.zeros(1, self.config.scheduler.block_size, kv_heads, mc.head_dim, dtype=self.dtype,
-                               device=self.device),) * 2 for _ in range(mc.num_hidden_layers)]
+        caches = [(torch.zeros(1, self.config.scheduler.block_size, kv_heads, mc.head_dim,
+                               dtype=self.kv_cache_dtype, device=self.device),) * 2
+                  for _ in range(mc.num_hidden_layers)]
         num_seqs = min(self.config.scheduler.max_num_seqs, num_tokens)
         per_seq = num_tokens // num_seqs
         width = -(-per_seq // self.config.scheduler.block_size)
@@ -159,8 +175,8 @@ class Worker:
         mc = self.model_config
         kv_heads = mc.num_kv_heads_per_rank(self.world_size)
         shape = (num_blocks, self.config.scheduler.block_size, kv_heads, mc.head_dim)
-        pool = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+        pool = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                 for _ in range(self.kv_layout.layers_per_block)]
         kv_caches = self.kv_layout.per_layer(pool)
         self.runner = ModelRunner(self._loaded_model(), kv_caches, self.config.scheduler.block_size, max_model_len,
@@ -168,6 +184,8 @@ class Worker:
                                   seed=self.config.model_settings.seed,
                                   async_output=self.config.scheduler.async_scheduling,
                                   layer_groups=self.kv_layout.layer_groups)
+        if self.config.cache.kv_offload_size:
+            self.runner.host_kv = HostKVCache(self.num_host_blocks(), kv_caches)
         if self.device.type == "cuda" and not self.config.compilation.enforce_eager:
             self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs,
                                             self._piecewise_max_tokens())
@@ -175,7 +193,8 @@ class Worker:
             from raypaged.kernels.warmup import warm_up_attention
 
             kinds = [(mc.window_of(i), mc.attn_logit_softcapping) for i in range(mc.num_hidden_layers)]
-            seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size, kinds)
+            seconds = warm_up_attention(*kv_caches[0], mc.num_attention_heads // self.world_size, kinds,
+                                        query_dtype=self.dtype)
             logger.info("attention kernels compiled in %.1f s", seconds)
 
     def _loaded_model(self) -> LlamaForCausalLM:

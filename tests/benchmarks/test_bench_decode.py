@@ -66,3 +66,20 @@ def test_every_mode_runs_and_writes_its_result(mode, tmp_path):
     else:
         assert result["runs"]["async/2"]["wall_ms"] > 0
     assert (tmp_path / f"{name}.png").exists() == (mode != "phases")
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_byte_floor_counts_every_weight_the_step_reads(shape):
+    """weight_bytes (the floor's weights: all but the embedding table, of which the batch's rows)
+    against the parameters of the model raypaged builds for the shape, on the meta device."""
+    from benchmarks.lib.model_step import model_config
+    from raypaged.model.registry import MODEL_REGISTRY
+
+    config = model_config(shape)
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[config.architecture](config)
+    params = {id(p): p for p in model.parameters()}
+    embedding = model.model.embed_tokens.weight
+    read = sum(p.numel() for p in params.values()) - (0 if model.lm_head.weight is embedding else embedding.numel())
+    # Norm weights are counted as two a layer whatever the family: a few KB of slack.
+    assert abs(decode.weight_bytes(shape, 2, 0) - 2 * read) <= 2 * 4 * config.hidden_size * config.num_hidden_layers

@@ -246,3 +246,36 @@ def test_the_multiturn_trace_end_to_end_on_the_demo_model(tmp_path):
     misses = off["rates"][0]["prefix_cache"]
     assert misses["queries"] == misses["hits"] == misses["client_cached_tokens"] == 0
     assert misses["hit_rate"] == 0.0
+
+
+def test_the_host_tier_summary_and_modes():
+    from benchmarks.serving_report import host_tier_summary
+
+    before = {"raypaged_host_cache_hits_total": 16.0, "raypaged_kv_offloaded_bytes_total": 1e9}
+    after = {"raypaged_host_cache_hits_total": 48.0, "raypaged_kv_offloaded_bytes_total": 3e9,
+             "raypaged_kv_loaded_bytes_total": 1e9}
+    assert host_tier_summary(before, after, 2.0) == {
+        "host_hits": 32.0, "offloaded_bytes": 2e9, "loaded_bytes": 1e9,
+        "offload_gb_per_s": 1.0, "load_gb_per_s": 0.5}
+    assert bench_serving.parse_args(["--trace", "multiturn"]).modes == ["prefix-cache", "no-prefix-cache"]
+    args = bench_serving.parse_args(["--trace", "multiturn", "--modes", "host-tier,host-tier-swap"])
+    assert args.modes == ["host-tier", "host-tier-swap"] and args.kv_offload_size > 0
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--modes", "host-tier"])  # the sharegpt trace has no such mode
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_host_tier_mode_end_to_end_on_the_demo_model(tmp_path):
+    """--modes host-tier on a pool smaller than the conversations' histories: their blocks leave
+    the pool between turns and later turns find them in the host tier."""
+    code = bench_serving.main([
+        "--trace", "multiturn", "--modes", "host-tier", "--rates", "2", "--arrival-window-s", "4",
+        "--turns", "3,4", "--system-prompt-len", "64", "--user-turn-mean", "12", "--reply-mean", "12",
+        "--think-time-s", "0.5", "--num-kv-blocks", "16", "--out", str(tmp_path)])
+    assert code == 0
+    record = json.loads((tmp_path / "serving_demo-multiturn_cpu.json").read_text())
+    (rate,) = record["host-tier"]["rates"]
+    assert rate["errors"] == 0 and rate["conversations"]["completed"] == rate["conversations"]["count"]
+    assert rate["host_tier"]["host_hits"] > 0 and rate["host_tier"]["loaded_bytes"] > 0
+    assert rate["prefix_cache"]["hits"] >= rate["host_tier"]["host_hits"]

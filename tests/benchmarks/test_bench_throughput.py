@@ -92,3 +92,20 @@ def test_transformers_static_batches_count_only_asked_tokens():
     [batch] = cut["batches"]
     assert cut["truncated"] and batch["steps_done"] < 9
     assert batch["output_tokens"] == sum(min(n, batch["steps_done"]) for n in (3, 9))
+
+
+def test_kv_capacity_counts_the_requests_that_fit_and_runs_them():
+    from benchmarks.lib import kv_capacity
+
+    # 4 blocks of 16 tokens hold 2 requests of 32 tokens (2 blocks each, the prompt's already);
+    # an FP8 pool of the same memory (bf16 model: 2 bytes a value) holds 8 blocks, 4 requests.
+    results = [kv_capacity.measure(checkpoint_dir(NAME), kv, "bfloat16", 32, block_size=16, max_num_seqs=16,
+                                   gpu_memory_utilization=0.9, num_kv_blocks=blocks, vocab_size=vocab())
+               for kv, blocks in (("auto", 4), ("fp8", 8))]
+    bf16, fp8 = results
+    assert (bf16["fits"], fp8["fits"]) == (2, 4)
+    assert bf16["kv_bytes_per_block_per_rank"] == 2 * fp8["kv_bytes_per_block_per_rank"]
+    assert bf16["kv_pool_gib_per_rank"] == fp8["kv_pool_gib_per_rank"]
+    # fits + 1 submitted: only `fits` run at once.
+    assert (bf16["batch_submitted"], bf16["peak_running"]) == (3, 2)
+    assert (fp8["batch_submitted"], fp8["peak_running"]) == (5, 4)

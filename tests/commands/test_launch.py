@@ -72,3 +72,10 @@ def test_launch_refuses_a_port_in_use_before_starting_anything():
     assert result.returncode == 1, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_launch_refuses_a_negative_engine_recovery_timeout_before_starting_anything():
+    result = subprocess.run([sys.executable, "-m", "raypaged.cli", "launch", "--engine-recovery-timeout", "-1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "recovery_timeout_s must be >= 0" in result.stderr

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import zlib
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -35,7 +36,7 @@ from hypothesis import strategies as st
 from raypaged.core.async_scheduler import make_scheduler
 from raypaged.core.block_pool import BlockPool, hash_block_tokens
 from raypaged.core.errors import InvalidRequestError, NoFreeBlocksError
-from raypaged.core.scheduler import SchedulerConfig
+from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from tests.support.core_fakes import (
     OutputLog,
     ShadowEngine,
@@ -91,19 +92,27 @@ operations = st.lists(st.one_of(add_ops(), add_ops(), st.just(("step",)), st.jus
                       min_size=4, max_size=60)
 
 
-def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
+def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int, kv_cache_manager=None,
+                           make_worker: Callable[..., ShadowWorker] = ShadowWorker,
+                           check_more: Callable[[Scheduler], None] = lambda _: None) -> Scheduler:
+    """make_worker(num_blocks, block_size, sample, rng, one_behind=...) builds the worker;
+    check_more(scheduler) runs after every check of the invariants. Returns the scheduler."""
     rng = random.Random(seed)
-    scheduler = make_scheduler(config)
-    worker = ShadowWorker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
-                          one_behind=config.async_scheduling)
+    scheduler = make_scheduler(config, kv_cache_manager)
+    worker = make_worker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
+                         one_behind=config.async_scheduling)
     stepper = ShadowEngine(scheduler, worker)
 
     log = OutputLog()
 
+    def check_invariants_and_more():
+        check_invariants(scheduler, worker)
+        check_more(scheduler)
+
     def step():
         log.add(stepper.step())
         log.note(scheduler)
-        check_invariants(scheduler, worker)
+        check_invariants_and_more()
 
     for k, op in enumerate(ops):
         if op[0] == "add":
@@ -115,19 +124,20 @@ def run_scheduler_sequence(config: SchedulerConfig, ops, seed: int) -> None:
             except InvalidRequestError:
                 assert request.request_id not in scheduler.requests
             log.note(scheduler)
-            check_invariants(scheduler, worker)
+            check_invariants_and_more()
         elif op[0] == "step":
             step()
         elif scheduler.requests:  # abort a live request or a whole group
             ids = sorted(set(scheduler.requests) | set(scheduler._groups))
             log.add(scheduler.abort_requests(ids[op[1] % len(ids)]))
-            check_invariants(scheduler, worker)
+            check_invariants_and_more()
     for _ in range(2000):
         if not scheduler.has_unfinished_requests():
             break
         step()
     check_pool_whole(scheduler)
     log.check_all_finished(scheduler)
+    return scheduler
 
 
 @FAST
@@ -150,15 +160,16 @@ def test_scheduler_random_sequences_many(config, ops, seed, async_scheduling):
     run_scheduler_sequence(dataclasses.replace(config, async_scheduling=async_scheduling), ops, seed)
 
 
-def run_to_completion(config: SchedulerConfig, ops) -> dict[str, tuple]:
+def run_to_completion(config: SchedulerConfig, ops, kv_cache_manager=None,
+                      worker: ShadowWorker | None = None) -> dict[str, tuple]:
     """Adds and steps (no aborts: their effect depends on timing), then steps until all end.
-    Returns each request's (output tokens, finish reason, stop reason)."""
-    def sample(req_id: str, position: int) -> int:  # the same token wherever it is computed
-        return zlib.crc32(f"{req_id}@{position}".encode()) % VOCAB
-
-    scheduler = make_scheduler(config)
-    stepper = ShadowEngine(scheduler, ShadowWorker(config.num_blocks, config.block_size, sample,
-                                                   one_behind=config.async_scheduling))
+    Returns each request's (output tokens, finish reason, stop reason). A worker given must draw
+    its tokens with token_at."""
+    scheduler = make_scheduler(config, kv_cache_manager)
+    if worker is None:
+        worker = ShadowWorker(config.num_blocks, config.block_size, token_at,
+                              one_behind=config.async_scheduling)
+    stepper = ShadowEngine(scheduler, worker)
     log = OutputLog()
     for k, op in enumerate(ops):
         if op[0] == "add":
@@ -182,6 +193,11 @@ def run_to_completion(config: SchedulerConfig, ops) -> dict[str, tuple]:
     log.check_all_finished(scheduler)
     return {rid: (tuple(log.tokens[rid]), out.finish_reason, out.stop_reason)
             for rid, out in log.finished.items()}
+
+
+def token_at(req_id: str, position: int) -> int:
+    """The token a request samples at a position, wherever and whenever it is computed."""
+    return zlib.crc32(f"{req_id}@{position}".encode()) % VOCAB
 
 
 @FAST

@@ -137,3 +137,24 @@ def test_on_cuda_with_and_without_cuda_graphs(name, enforce_eager, async_schedul
     finally:
         llm.shutdown()
     assert_matches_hf(name, prompts, results, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["torch-ops", "no-epilogues"])
+def test_gemma2_on_cuda_by_parts(variant):
+    """Gemma 2 on CUDA (eager, fp32) with every op on torch, or with the Triton ops but no GEMM
+    epilogues: which part of the GPU path, if any, parts from transformers."""
+    from raypaged.kernels import ops
+
+    prompts = random_prompts([1, 7, 30, 41, 3], vocab_of("gemma2"), seed=29)
+    # The worker sets every op's backend from attention_backend.
+    llm = LLM(str(checkpoint_dir("gemma2")), device="cuda", dtype="float32", block_size=16,
+              max_num_seqs=8, enforce_eager=True, gemm_epilogues=variant != "no-epilogues",
+              attention_backend="torch" if variant == "torch-ops" else None)
+    try:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    finally:
+        llm.shutdown()
+        ops.set_backend("auto")
+    assert_matches_hf("gemma2", prompts, results, max_tokens=MAX_TOKENS)

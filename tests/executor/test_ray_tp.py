@@ -100,6 +100,26 @@ def test_kv_cache_groups_under_tp2(name, async_scheduling):
     assert_matches_hf(name, prompts, results, max_tokens=12)
 
 
+def test_swap_preemption_to_the_host_tier_under_tp2():
+    """Each rank offloads and loads its own KV heads: a block brought back wrong on either rank
+    would change the tokens after it."""
+    from tests.engine.test_host_tier import host_gib
+
+    vocab = vocab_of("llama")
+    prompts = random_prompts([9, 20, 14, 3], vocab, seed=13, prefix=random_prompts([24], vocab, seed=12)[0])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8,
+              max_num_batched_tokens=16, num_gpu_blocks_override=16, enable_prefix_caching=False,
+              kv_offload_size=host_gib(24), preemption_mode="swap")
+    try:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0 and stats.kv_cache.loaded_bytes > 0
+    assert_matches_hf("llama", prompts, results, max_tokens=20)
+
+
 def test_structured_outputs_under_tp2_with_async_scheduling_on_a_small_pool():
     """Constrained requests under TP 2, async: rank 0 masks its logits with the deferred masks
     and broadcasts the tokens; outputs equal a sync TP 1 run's, plain neighbours transformers'."""
@@ -230,3 +250,24 @@ def test_prompt_logprobs_and_logit_bias_under_tp2():
         token = prompts[0][i + 1]
         assert abs(entry[token] - expected[i, token].item()) < 1e-4
         assert set(entry) == set(expected[i].topk(2).indices.tolist()) | {token}
+
+
+def test_fp8_kv_cache_under_tp2_equals_tp1():
+    """Each rank's FP8 pool holds its KV heads, quantized with the same per-layer scales (read by
+    every rank from the checkpoint): TP 2's tokens are TP 1's, with prefix caching, chunking and
+    n = 2 forks."""
+    from tests.support.kv_scale_checkpoints import kv_scaled_dir
+
+    vocab = vocab_of("llama")
+    prompts = random_prompts([9, 20, 3], vocab, seed=41, prefix=random_prompts([16], vocab, seed=40)[0])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(str(kv_scaled_dir()), tensor_parallel_size=tp, kv_cache_dtype="fp8", block_size=8,
+                  enable_prefix_caching=True, max_num_batched_tokens=16)
+        try:
+            outputs.append([[s.token_ids for s in r.outputs]
+                            for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]

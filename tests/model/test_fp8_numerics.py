@@ -14,6 +14,7 @@ from raypaged.model.quantization.numerics import (
     quantize_activation,
     quantize_weight,
     to_fp8,
+    weight_only_matmul_reference,
 )
 
 # e4m3 keeps 3 mantissa bits: a normal value rounds to within half a step, 2^-4 of itself.
@@ -140,30 +141,32 @@ def test_scaled_mm_matches_the_reference(rows, activation):
 
 
 @pytest.mark.parametrize("rows, overrides", [(1, {}), (5, {"split_k": 2, "block_k": 32}), (16, {"block_n": 32})])
-def test_skinny_fp8_gemm_computes_the_scaled_product(rows, overrides):
-    """kernels/gemv.py's FP8 variant (interpreter here; the GPU suite runs it too) against the
-    reference on the same e4m3 operands: fp32 sums of exact products, scaled, bias added."""
-    from raypaged.kernels.gemv import default_config, gemv_fp8
+def test_skinny_fp8_gemm_computes_the_weight_only_product(rows, overrides):
+    """kernels/gemv_fp8.py (interpreter here; the GPU suite runs it too) against the reference:
+    the rows unquantized, the e4m3 weight widened, fp32 sums scaled per feature, bias added."""
+    from raypaged.kernels.gemv import default_config
+    from raypaged.kernels.gemv_fp8 import gemv_w8a16
 
     g = torch.Generator().manual_seed(rows)
     w, x, b = torch.randn(80, 96, generator=g), torch.randn(rows, 96, generator=g), torch.randn(80, generator=g)
     method, wq = _fp8_layer(w)
-    xq, sx = method.quantize_input(x)
     config = {**default_config(80, 96, element_size=1, rows=rows), **overrides}
-    out = gemv_fp8(xq, sx, wq, method.weight_scale, b, torch.float32, config)
-    expected = method.matmul(x, wq, b)
+    out = gemv_w8a16(x, wq, method.weight_scale, b, config)
+    expected = weight_only_matmul_reference(x, wq, method.weight_scale) + b
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Not the W8A8 product: the rows were not quantized.
+    assert not torch.allclose(out, method.matmul(x, wq, b), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_linear_takes_the_skinny_gemm_on_the_triton_backend(monkeypatch):
-    from raypaged.kernels import gemv, ops
+    from raypaged.kernels import gemv_fp8, ops
 
     w, x = torch.randn(64, 64), torch.randn(3, 64)
     method, wq = _fp8_layer(w)
-    reference = method.matmul(x, wq, None)
+    reference = weight_only_matmul_reference(x, wq, method.weight_scale)
     calls = []
-    real = gemv.gemv_fp8
-    monkeypatch.setattr(gemv, "gemv_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gemv_fp8.gemv_w8a16
+    monkeypatch.setattr(gemv_fp8, "gemv_w8a16", lambda *a, **k: calls.append(1) or real(*a, **k))
     ops.set_backend("triton")
     try:
         out = method.matmul(x, wq, None)
@@ -175,39 +178,50 @@ def test_fp8_linear_takes_the_skinny_gemm_on_the_triton_backend(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_skinny_fp8_gemm_on_the_gpu_matches_the_reference(rows):
-    from raypaged.kernels.gemv import gemv_fp8, launch_config
+    from raypaged.kernels.gemv_fp8 import gemv_w8a16, w8a16_config
 
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(4096, 4096, generator=g), torch.randn(rows, 4096, generator=g)
     method, wq = _fp8_layer(w)
-    xq, sx = method.quantize_input(x)
-    ref = method.matmul(x, wq, None)
-    xq, sx, wq_cuda = xq.cuda(), sx.cuda(), wq.cuda()
-    config = launch_config(xq, wq_cuda)
+    x16 = x.to(torch.bfloat16)
+    ref = weight_only_matmul_reference(x16, wq, method.weight_scale)  # the bf16 rows, exactly
+    x_cuda, wq_cuda = x16.cuda(), wq.cuda()
+    config = w8a16_config(x_cuda, wq_cuda)
     assert config is not None  # up to 16 rows take the kernel by default
-    out = gemv_fp8(xq, sx, wq_cuda, method.weight_scale.cuda(), None, torch.bfloat16, config)
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().mean()))
+    out = gemv_w8a16(x_cuda, wq_cuda, method.weight_scale.cuda(), None, config)
+    # fp32 sums of exact products: only the bf16 output's rounding (and the summation order).
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().mean()))
 
 
 @pytest.mark.gpu
-def test_fp8_model_on_the_gpu_is_close_to_the_cpu_reference():
+def test_fp8_model_on_the_gpu_loses_no_more_than_the_fp8_arithmetic():
     """The whole decoder in bf16 on the GPU (_scaled_mm for prefill, the skinny FP8 GEMM for
-    decode rows) against the fp32 CPU reference of the same FP8 weights."""
+    decode rows) against the fp32 CPU model without quantization: no farther than the fp32 CPU
+    reference of the same FP8 weights is (FP8's own error on this random model, ~10% of the
+    logits' norm), plus what bf16 alone costs. The GPU cannot match the CPU reference closely:
+    row-scaled _scaled_mm writes bf16, and each rounding moves some activations across an e4m3
+    step in the next layer. A wrong or missing scale lands near 100%."""
     from raypaged.model.loader import load_model
     from tests.support.checkpoints import checkpoint_dir
     from tests.support.model_harness import PagedHarness, run_mixed_schedule
 
-    def logits(device, dtype):
-        model = load_model(checkpoint_dir("llama"), dtype=dtype, device=device, quantization="fp8", progress=False)
-        harness = PagedHarness(model, model.config, block_size=16, num_blocks=32, seed=3, dtype=dtype, device=device)
-        prompts = {"a": list(range(3, 20)), "b": list(range(40, 45))}
-        run_mixed_schedule(harness, prompts, 4)
-        return {r: harness.logits_of(r).float().cpu() for r in prompts}, model
+    prompts = {"a": list(range(3, 20)), "b": list(range(40, 45))}
 
-    cpu, _ = logits("cpu", torch.float32)
-    gpu, model = logits("cuda", torch.bfloat16)
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
-    for req in cpu:
-        n = min(len(cpu[req]), len(gpu[req])) - 4  # the prompt's positions
-        rel = (gpu[req][:n] - cpu[req][:n]).norm() / cpu[req][:n].norm()
-        assert rel < 0.05, (req, float(rel))
+    def prompt_logits(device, dtype, quantization):
+        model = load_model(checkpoint_dir("llama"), dtype=dtype, device=device,
+                           quantization=quantization, progress=False)
+        if quantization:
+            assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+        harness = PagedHarness(model, model.config, block_size=16, num_blocks=32, seed=3, dtype=dtype, device=device)
+        run_mixed_schedule(harness, prompts, 4)
+        # The prompt's positions only: the generated tokens may differ, and with them the inputs.
+        return {r: harness.logits_of(r)[:len(p)].float().cpu() for r, p in prompts.items()}
+
+    def rel(x, y):
+        return max(float((x[r] - y[r]).norm() / y[r].norm()) for r in prompts)
+
+    exact = prompt_logits("cpu", torch.float32, None)
+    fp8_reference = rel(prompt_logits("cpu", torch.float32, "fp8"), exact)
+    bf16_alone = rel(prompt_logits("cuda", torch.bfloat16, None), exact)
+    fp8_gpu = rel(prompt_logits("cuda", torch.bfloat16, "fp8"), exact)
+    assert fp8_gpu <= 1.25 * fp8_reference + bf16_alone, (fp8_gpu, fp8_reference, bf16_alone)

@@ -7,8 +7,9 @@
 - A worker group that cannot come back (every restart fails): the streams in flight end with
   UNAVAILABLE, health turns NOT_SERVING, new requests get UNAVAILABLE; then the supervisor
   replaces the engine and the server serves again.
-- The engine actor killed: streams end with UNAVAILABLE at once (no hang), new requests too, and
-  the supervisor brings a new engine; nothing of the old one (actors, placement group) is left.
+- The engine actor killed, with replay off (recovery_timeout_s 0; tests/reliability/test_replay.py
+  has it on): streams end with UNAVAILABLE at once (no hang), new requests too, and the
+  supervisor brings a new engine; nothing of the old one (actors, placement group) is left.
 
 The tests share one server and run in order; each leaves it SERVING with a whole pool.
 """
@@ -49,7 +50,8 @@ def server():
         EngineConfig(model=str(checkpoint_dir(NAME)), device="cpu", tensor_parallel_size=2,
                      block_size=8, num_gpu_blocks_override=64, max_num_seqs=4, max_worker_restarts=1,
                      step_timeout_s=STEP_TIMEOUT_S),
-        ServerConfig(port=0, stats_interval_s=0.1, restart_policy=RestartPolicy(initial_backoff_s=0.5)),
+        ServerConfig(port=0, stats_interval_s=0.1, restart_policy=RestartPolicy(initial_backoff_s=0.5,
+                                                                           recovery_timeout_s=0)),
         restart_engine=True)
     yield running
     running.stop()
@@ -270,3 +272,28 @@ def test_engine_actor_killed_is_unavailable_at_once_then_replaced(server):
     assert_serves_correctly(server)
     assert_only_the_new_engine_is_left()
     FAULTS_SURVIVED["engine actor killed -> engine replaced"] += 1
+
+
+@pytest.mark.slow
+def test_worker_group_beyond_repair_with_replay_on_streams_go_on_on_the_new_engine(server):
+    """The same fault with replay on (frontend/replay.py): the requests the engine ended when it
+    gave up go on on the supervisor's new engine, exactly as transformers' greedy run."""
+    old_engine = server.engine
+    prompt = random_prompts([11], vocab_of(NAME), seed=33)[0]
+    expected = hf_greedy(checkpoint_dir(NAME), tuple(prompt), 120)
+    replay = server.server.replay
+    replay.recovery_timeout_s = 120.0
+    try:
+        engine_call(server, lambda actor: setattr(actor.core, "model_dir", "/nonexistent/model"))
+        stream = Stream(server.address, prompt, max_tokens=120)
+        stream.wait_tokens(2)
+        kill_rank_with_sigkill(server)
+        stream.join()
+    finally:
+        replay.recovery_timeout_s = 0.0
+    assert stream.error is None, stream.error
+    assert stream.tokens == expected and stream.finish_reason == "length"
+    assert server.engine is not old_engine
+    server.wait_pool_whole()
+    assert_only_the_new_engine_is_left()
+    FAULTS_SURVIVED["worker group beyond repair -> streams replayed on a new engine"] += 1

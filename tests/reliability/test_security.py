@@ -250,7 +250,7 @@ def test_server_listens_on_loopback_by_default():
 
 def security_args(**overrides) -> argparse.Namespace:
     values = dict(tls_cert=None, tls_key=None, tls_client_ca=None, auth_token=None,
-                  max_message_bytes=4 * 2**20)
+                  api_keys_file=None, max_message_bytes=4 * 2**20)
     return argparse.Namespace(**{**values, **overrides})
 
 

@@ -295,6 +295,23 @@ def test_grpc_through_serve_proxy(server, oracle):
         assert "empty" in raised.value.details()
 
 
+def test_grpc_requests_sharing_a_prefix_go_to_the_replica_holding_it(server):
+    """Serve's request router (serve/prefix_request_router.py) reads the GenerateRequest: once a
+    replica's routing stats report the prefix, the later requests with it all land there."""
+    stub, channel = grpc_stub(server)
+    shared = list(range(3, 3 + 48))  # three blocks of 16
+    before = {r["replica"]: r["prefix_cache_hits"] for r in replica_reports(idle_and_whole).values()}
+    params = pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with channel:
+        for i in range(4):
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=shared + [60 + i], sampling_params=params),
+                               metadata=APP_METADATA, timeout=60))
+            time.sleep(1.5)  # the replicas' routing stats are polled every second
+    after = replica_reports(idle_and_whole)
+    gained = sorted(after[r]["prefix_cache_hits"] - before.get(r, 0) for r in after)
+    assert gained == [0, 3 * 48], gained  # the 2nd to 4th requests hit, all on one replica
+
+
 MALFORMED = [b"\x12\x04\xff\xfe\xc0\xaf", b"\xff" * 16, b"\x12\x7fabc",
              b"\x0a\x03\xed\xa0\x80"]  # the last: request_id holding a surrogate's UTF-8-like bytes
 
@@ -454,6 +471,54 @@ def test_demo_model_from_serve_config(server):
         assert text == expected[0].outputs[0].text
     finally:
         serve.delete("demo")
+
+
+def test_api_keys_in_the_serve_app(server, tmp_path):
+    """An app with api_keys_file: both transports need a known key (401 / UNAUTHENTICATED), the
+    key's limits hold (429 with Retry-After; gRPC RESOURCE_EXHAUSTED), and two keys sending the
+    same prompt never share prefix-cache hits while one key's repeat does."""
+    keys = {"sk-serve-alpha-of-the-test": {"name": "alpha"},
+            "sk-serve-beta-of-the-test": {"name": "beta"},
+            "sk-serve-paced-of-the-test": {"name": "paced", "requests_per_second": 0.001, "burst": 1}}
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"keys": keys}))
+    serve.run(build_app({"model": server["model"], "api_keys_file": str(path), **ENGINE_ARGS}),
+              name="keyed", route_prefix="/keyed")
+    try:
+        def api(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{server['base']}/keyed/v1", api_key=key, max_retries=0, timeout=60)
+
+        prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16
+
+        def cached(key: str) -> int:
+            usage = api(key).completions.create(model="llama", prompt=prompt, max_tokens=2, temperature=0.0).usage
+            return usage.prompt_tokens_details.cached_tokens
+
+        with pytest.raises(openai.AuthenticationError):
+            api("sk-not-a-key-of-the-app").models.list()
+        assert requests.get(f"{server['base']}/keyed/health", timeout=30).status_code == 200
+        assert [cached("sk-serve-alpha-of-the-test"), cached("sk-serve-alpha-of-the-test"),
+                cached("sk-serve-beta-of-the-test")] == [0, 32, 0]
+        api("sk-serve-paced-of-the-test").completions.create(model="llama", prompt=[5], max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as limited:
+            api("sk-serve-paced-of-the-test").completions.create(model="llama", prompt=[5], max_tokens=1)
+        assert int(limited.value.response.headers["retry-after"]) > 900
+        stub, channel = grpc_stub(server)
+        with channel:
+            request = pb.GenerateRequest(prompt_token_ids=[5, 6], sampling_params=pb.SamplingParams(max_tokens=2))
+            metadata = (("application", "keyed"),)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(request, metadata=metadata, timeout=60))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as paced:
+                list(stub.Generate(request, timeout=60, metadata=metadata + (
+                    ("authorization", "Bearer sk-serve-paced-of-the-test"),)))
+            assert paced.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            responses = list(stub.Generate(request, timeout=60, metadata=metadata + (
+                ("authorization", "Bearer sk-serve-beta-of-the-test"),)))
+            assert sum(len(d.token_ids) for r in responses for d in r.outputs) == 2
+    finally:
+        serve.delete("keyed")
 
 
 def test_shutdown_leaves_no_actors(server):

@@ -67,7 +67,7 @@ class _ScriptedService:
         self.requests: list[pb.GenerateRequest] = []
 
     async def generate(self, message: pb.GenerateRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                       timeout_s: float | None = None, tenant: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         self.requests.append(message)
         n = message.sampling_params.n or 1
         pieces = [self.script[i:i + 3] for i in range(0, len(self.script), 3)]
@@ -171,6 +171,28 @@ def test_reasoning_without_tools_streams_reasoning_content(hermes_tokenizer):
     assert (whole["reasoning"], whole["content"], whole["finish"]) == ("hmm", "The answer.", "stop")
     streamed = streamed_message(list(api.chat.completions.create(model="demo", messages=USER, stream=True)))
     assert streamed == whole
+
+
+def test_a_constrained_answer_may_reason_first(hermes_tokenizer):
+    """With a reasoning parser, response_format's grammar starts after `</think>` (the request
+    carries the gate) and the reasoning is split off as for any answer; a prompt whose template
+    already closed the reasoning gets no gate, and its output is the content whole."""
+    service = _ScriptedService(hermes_tokenizer, 'plan the JSON</think>{"a": 1}')
+    api = _api(service, ChatParsing(reasoning_parser="deepseek_r1"))
+    json_mode = {"type": "json_object"}
+    whole = whole_message(api.chat.completions.create(model="demo", messages=USER, response_format=json_mode))
+    assert (whole["reasoning"], whole["content"]) == ("plan the JSON", '{"a": 1}')
+    gate = service.requests[-1].sampling_params.structured_output.reasoning_end_token_ids
+    assert list(gate) == hermes_tokenizer.encode("</think>", add_special_tokens=False)
+    streamed = streamed_message(list(api.chat.completions.create(
+        model="demo", messages=USER, response_format=json_mode, stream=True)))
+    assert streamed == whole
+
+    closed = [*USER, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+    service.script = '{"a": 1}'
+    answer = whole_message(api.chat.completions.create(model="demo", messages=closed, response_format=json_mode))
+    assert not service.requests[-1].sampling_params.structured_output.reasoning_end_token_ids
+    assert (answer["reasoning"], answer["content"]) == (None, '{"a": 1}')
 
 
 def test_mistral_keeps_special_tokens_and_required_is_a_grammar(hermes_tokenizer):

@@ -52,8 +52,8 @@ class _Service:
         self.requests: list[pb.GenerateRequest] = []
         self.timeouts: list[float | None] = []
 
-    async def generate(self, message: pb.GenerateRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, message: pb.GenerateRequest, timeout_s: float | None = None,
+                       tenant: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         self.requests.append(message)
         self.timeouts.append(timeout_s)
         params = message.sampling_params
@@ -261,8 +261,8 @@ def test_engine_refusal_of_a_spec_is_a_400(service):
     from the service's generate) is answered 400 with its message, not a 500."""
     from raypaged.core.errors import InvalidRequestError
 
-    async def refuse(message: pb.GenerateRequest,
-                     timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    async def refuse(message: pb.GenerateRequest, timeout_s: float | None = None,
+                     tenant: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         raise InvalidRequestError("structured output regex is invalid: unbalanced parenthesis")
         yield  # pragma: no cover
 
@@ -288,7 +288,7 @@ def test_a_shed_request_is_a_429_with_retry_after(service):
     from raypaged.frontend.load_shedding import ShedError
 
     async def shed(message: pb.GenerateRequest,
-                   timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                   timeout_s: float | None = None, tenant: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         raise ShedError("the server is overloaded (3 requests are waiting); try again later",
                         "waiting_requests", 2.2)
         yield  # pragma: no cover
@@ -320,7 +320,7 @@ def test_a_timeout_is_a_504_before_the_stream_and_an_error_event_within_it(servi
     from raypaged.core.errors import RequestTimeoutError
 
     async def times_out(message: pb.GenerateRequest,
-                        timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                        timeout_s: float | None = None, tenant: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         if message.sampling_params.max_tokens == 1:
             raise RequestTimeoutError(f"request ran past its {timeout_s:g} s timeout")
         yield pb.GenerateResponse(request_id=message.request_id,

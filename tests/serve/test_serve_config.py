@@ -150,6 +150,10 @@ def test_grafana_dashboard_uses_only_real_metrics():
     dashboard = json.loads((DEPLOY / "grafana" / "raypaged.json").read_text())
     metrics = FrontendMetrics("m", 256)
     metrics.record_error("INVALID_ARGUMENT")  # a family labelled per call has no series before
+    metrics.record_tenant_admitted("t", 1)
+    metrics.record_tenant_tokens("t", 1)
+    metrics.record_tenant_refused("t", "max_concurrent")
+    metrics.record_tenant_in_flight("t", 0)
     exported = set()
     for line in generate_latest(metrics.registry).decode().splitlines():
         if not line.startswith("#"):

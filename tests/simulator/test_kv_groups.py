@@ -69,3 +69,15 @@ def test_simulate_cli_writes_the_gemma3_report(tmp_path, capsys):
     assert record["command"].startswith("raypaged simulate") and "--num-requests" not in record["command"]
     (row,) = record["rows"]
     assert row["context"] == 4096 and row["decode_ratio"] > 2
+
+
+def test_an_fp8_kv_cache_halves_every_byte_count():
+    import dataclasses
+
+    from raypaged.simulator.kv_groups import MODELS
+
+    bf16 = kv_per_request(MODELS["gemma3"], block_size=16, max_num_batched_tokens=2048, contexts=(8192,))
+    fp8 = kv_per_request(dataclasses.replace(MODELS["gemma3"], dtype_bytes=1), block_size=16,
+                         max_num_batched_tokens=2048, contexts=(8192,))
+    assert fp8["block_bytes"] * 2 == bf16["block_bytes"]
+    assert fp8["rows"][0]["grouped_peak_bytes"] * 2 == bf16["rows"][0]["grouped_peak_bytes"]

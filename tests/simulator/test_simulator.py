@@ -226,3 +226,15 @@ def test_plot_is_written(runs, tmp_path):
 
     save_plot([result for _, result in runs.values()], tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.integration  # git rev-parse for the record's commit
+def test_cli_fp8_kv_holds_twice_the_blocks_in_the_same_memory(tmp_path, capsys):
+    rc = raypaged_main(["simulate", "--trace", "fixed", "--num-requests", "8", "--num-blocks", "256",
+                        "--kv-cache-dtype", "fp8", "--allocators", "paged", "--out", str(tmp_path),
+                        "--no-plot", "--no-progress"])
+    assert rc == 0
+    assert "KV cache fp8: 512 blocks in the memory of 256 16-bit ones" in capsys.readouterr().out
+    record = json.loads((tmp_path / "simulate_memory.json").read_text())
+    assert "--kv-cache-dtype fp8" in record["command"]
+    assert '"num_blocks": 512' in json.dumps(record)

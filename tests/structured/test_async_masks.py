@@ -23,15 +23,6 @@ NAME = "llama"
 PATTERN = r"[a-e]{30,80}"
 
 
-@pytest.fixture(scope="module")
-def engines():
-    made = {mode: LLM(str(checkpoint_dir(NAME)), async_scheduling=mode == "async")
-            for mode in ("sync", "async")}
-    yield made
-    for engine in made.values():
-        engine.shutdown()
-
-
 def _greedy(max_tokens: int, spec: StructuredOutput | None, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_output=spec, **kwargs)
 

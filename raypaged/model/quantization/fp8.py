@@ -1,6 +1,12 @@
-"""Fp8Linear: W8A8 e4m3 products of a layer's FP8 weight and per-output-channel scales.
+"""Fp8Linear: e4m3 products of a layer's FP8 weight and per-output-channel scales.
 
-Activations are quantized as the checkpoint says: per token from their own amax (dynamic, the
+A decode step's few rows on the Triton backend take the skinny GEMM over the e4m3 weight
+(ops.linear_fp8, kernels/gemv_fp8.py): weight-only, the rows in the model's dtype, the weight read
+at one byte an element and widened in registers — the step is bound by those bytes, and
+quantizing its rows would cost a kernel launch per linear. Its fused rope / SwiGLU epilogues are
+not taken for FP8 weights yet: FP8 layers run rope and SwiGLU as separate kernels.
+
+Every other step is W8A8. Activations are quantized as the checkpoint says: per token from their own amax (dynamic, the
 default and what --quantization fp8 uses), per tensor (dynamic), or with the checkpoint's static
 input_scale. Then:
 
@@ -10,13 +16,8 @@ input_scale. Then:
 - elsewhere (CPU, CI): the same arithmetic as a reference, the fp8 values widened to fp32,
   multiplied, and the product scaled by both scales (numerics.scaled_matmul_reference).
 
-Small decode steps on the Triton backend take the skinny GEMM's FP8 variant instead
-(ops.linear_fp8, kernels/gemv.py: the weight read at one byte an element, the same scaled
-arithmetic). Its fused rope / SwiGLU epilogues are chosen by the device's tuned table, which has
-no FP8 entries yet, so FP8 layers run rope and SwiGLU as separate kernels.
-
-Either way the numbers that enter the product are the e4m3 values, so the CPU tests check the
-quantization the GPU runs.
+Either way the weight's numbers that enter the product are the e4m3 values, so the CPU tests
+check the quantization the GPU runs (the interpreter runs the skinny kernel too).
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ class Fp8Linear(LinearMethod):
             raise TypeError(f"Fp8Linear needs an {FP8_DTYPE} weight, got {weight.dtype}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        xq, x_scale = self.quantize_input(x2)
-        skinny = ops.linear_fp8(x2, xq, x_scale, weight, self.weight_scale, bias)
+        # A decode step's few rows: weight-only, the rows unquantized (the bytes are the weight's).
+        skinny = ops.linear_fp8(x2, weight, self.weight_scale, bias)
         if skinny is not None:
             return skinny.reshape(*lead, -1)
+        xq, x_scale = self.quantize_input(x2)
         if x.is_cuda:
             out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
                                    out_dtype=torch.bfloat16)

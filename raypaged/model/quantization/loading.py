@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 Linear = ColumnParallelLinear | RowParallelLinear
 FP8_CHECKPOINT_DTYPES = ("F8_E4M3",)
 SCALE_CHECKPOINT_DTYPES = ("F32", "BF16", "F16")
-# Tensors FP8 checkpoints carry for an FP8 KV cache, which raypaged does not use (yet).
+# Tensors FP8 checkpoints carry for an FP8 KV cache: model/kv_scales.py reads those it knows
+# when the pool is FP8; the rest are not needed.
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 

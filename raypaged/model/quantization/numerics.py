@@ -16,7 +16,8 @@ import torch
 from raypaged.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows_ref, scale_for, to_fp8
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "dequantize", "per_channel_amax", "quantize_activation",
-           "quantize_weight", "scale_for", "scaled_matmul_reference", "to_fp8"]
+           "quantize_weight", "scale_for", "scaled_matmul_reference", "to_fp8",
+           "weight_only_matmul_reference"]
 
 
 def per_channel_amax(weight: torch.Tensor) -> torch.Tensor:
@@ -51,3 +52,9 @@ def scaled_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.T
     """The arithmetic of a row-wise scaled FP8 GEMM, in fp32: (xq · wqᵀ) · x_scale · w_scaleᵀ.
     xq [M, K], x_scale [M, 1], wq [N, K], w_scale [N] -> [M, N] fp32."""
     return (xq.float() @ wq.float().t()) * x_scale * w_scale[None, :]
+
+
+def weight_only_matmul_reference(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The skinny FP8 GEMM's arithmetic (kernels/gemv_fp8.py), in fp32: (x · wqᵀ) · w_scaleᵀ,
+    the rows unquantized. x [M, K], wq [N, K] e4m3, w_scale [N] -> [M, N] fp32."""
+    return (x.float() @ wq.float().t()) * w_scale[None, :]

@@ -124,7 +124,8 @@ def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     except ValidationError as e:
         raise QuantizationError(f"the checkpoint's compressed-tensors quantization_config is invalid: {e}") from e
     if parsed.kv_cache_scheme is not None:
-        logger.warning("the checkpoint's kv_cache_scheme is not used: the KV cache stays in the model's dtype")
+        logger.warning("the checkpoint has a kv_cache_scheme: its k/v scales are used with "
+                       "--kv-cache-dtype fp8; without it the KV cache stays in the model's dtype")
     if not parsed.config_groups:
         raise QuantizationError("the compressed-tensors quantization_config has no config_groups")
     schemes = {}

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n raypaged/proto/v1/raypaged.proto\x12\x0braypaged.v1\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.raypaged.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xae\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.raypaged.v1.StructuredOutput\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.raypaged.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xc0\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x04 \x01(\x0b\x32%.raypaged.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x19\n\x07\x43hoices\x12\x0e\n\x06\x63hoice\x18\x01 \x03(\tB\x06\n\x04kind\"x\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.raypaged.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.raypaged.v1.Usage\"\x95\x02\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.raypaged.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.raypaged.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.raypaged.v1.TokenLogprobsB\r\n\x0bstop_reason\"a\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.raypaged.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xb7\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\x0fRaypagedService\x12I\n\x08Generate\x12\x1c.raypaged.v1.GenerateRequest\x1a\x1d.raypaged.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.raypaged.v1.AbortRequest\x1a\x1a.raypaged.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .raypaged.v1.GetModelInfoRequest\x1a\x16.raypaged.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n raypaged/proto/v1/raypaged.proto\x12\x0braypaged.v1\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.raypaged.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xae\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.raypaged.v1.StructuredOutput\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.raypaged.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xe1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x37\n\x06\x63hoice\x18\x04 \x01(\x0b\x32%.raypaged.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1f\n\x17reasoning_end_token_ids\x18\x06 \x03(\x05\x1a\x19\n\x07\x43hoices\x12\x0e\n\x06\x63hoice\x18\x01 \x03(\tB\x06\n\x04kind\"x\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.raypaged.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.raypaged.v1.Usage\"\x95\x02\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.raypaged.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.raypaged.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.raypaged.v1.TokenLogprobsB\r\n\x0bstop_reason\"a\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.raypaged.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\xb7\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe6\x01\n\x0fRaypagedService\x12I\n\x08Generate\x12\x1c.raypaged.v1.GenerateRequest\x1a\x1d.raypaged.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.raypaged.v1.AbortRequest\x1a\x1a.raypaged.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .raypaged.v1.GetModelInfoRequest\x1a\x16.raypaged.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2129
-  _globals['_FINISHREASON']._serialized_end=2249
+  _globals['_FINISHREASON']._serialized_start=2162
+  _globals['_FINISHREASON']._serialized_end=2282
   _globals['_GENERATEREQUEST']._serialized_start=50
   _globals['_GENERATEREQUEST']._serialized_end=221
   _globals['_SAMPLINGPARAMS']._serialized_start=224
@@ -42,27 +42,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=776
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=824
   _globals['_STRUCTUREDOUTPUT']._serialized_start=1041
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1233
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=1200
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=1225
-  _globals['_GENERATERESPONSE']._serialized_start=1235
-  _globals['_GENERATERESPONSE']._serialized_end=1355
-  _globals['_COMPLETIONDELTA']._serialized_start=1358
-  _globals['_COMPLETIONDELTA']._serialized_end=1635
-  _globals['_TOKENLOGPROBS']._serialized_start=1637
-  _globals['_TOKENLOGPROBS']._serialized_end=1734
-  _globals['_TOPLOGPROB']._serialized_start=1736
-  _globals['_TOPLOGPROB']._serialized_end=1783
-  _globals['_USAGE']._serialized_start=1785
-  _globals['_USAGE']._serialized_end=1865
-  _globals['_ABORTREQUEST']._serialized_start=1867
-  _globals['_ABORTREQUEST']._serialized_end=1901
-  _globals['_ABORTRESPONSE']._serialized_start=1903
-  _globals['_ABORTRESPONSE']._serialized_end=1918
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1920
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1941
-  _globals['_MODELINFO']._serialized_start=1944
-  _globals['_MODELINFO']._serialized_end=2127
-  _globals['_RAYPAGEDSERVICE']._serialized_start=2252
-  _globals['_RAYPAGEDSERVICE']._serialized_end=2482
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1266
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=1233
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=1258
+  _globals['_GENERATERESPONSE']._serialized_start=1268
+  _globals['_GENERATERESPONSE']._serialized_end=1388
+  _globals['_COMPLETIONDELTA']._serialized_start=1391
+  _globals['_COMPLETIONDELTA']._serialized_end=1668
+  _globals['_TOKENLOGPROBS']._serialized_start=1670
+  _globals['_TOKENLOGPROBS']._serialized_end=1767
+  _globals['_TOPLOGPROB']._serialized_start=1769
+  _globals['_TOPLOGPROB']._serialized_end=1816
+  _globals['_USAGE']._serialized_start=1818
+  _globals['_USAGE']._serialized_end=1898
+  _globals['_ABORTREQUEST']._serialized_start=1900
+  _globals['_ABORTREQUEST']._serialized_end=1934
+  _globals['_ABORTRESPONSE']._serialized_start=1936
+  _globals['_ABORTRESPONSE']._serialized_end=1951
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1953
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1974
+  _globals['_MODELINFO']._serialized_start=1977
+  _globals['_MODELINFO']._serialized_end=2160
+  _globals['_RAYPAGEDSERVICE']._serialized_start=2285
+  _globals['_RAYPAGEDSERVICE']._serialized_end=2515
 # @@protoc_insertion_point(module_scope)

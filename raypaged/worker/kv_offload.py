@@ -1,0 +1,154 @@
+"""HostKVCache: this rank's host pool of KV blocks, and the copies of each step's KVTransfers.
+
+The pool is one tensor [num_host_blocks, layers, 2 (K, V), block_size, kv_heads, head_dim], so a
+host block is contiguous over every layer: one copy moves a run of consecutive host blocks. It is
+pinned on CUDA (asynchronous copies need page-locked memory; release() unpins it), plain memory
+on CPU. Each rank
+holds its own heads; every rank applies the same transfers (the engine decided them once).
+
+Order, on CUDA. All copies run on one side stream, which first waits for everything already
+queued on the compute stream (the previous forward may still write a block that is offloaded
+now). Offloads gather their GPU blocks into a staging tensor, then copy it to the host; loads copy
+host blocks to a staging tensor, then scatter it into the GPU pools. The compute stream waits for
+the gather only (the offloaded blocks may then be overwritten by this step's forward while the
+staged copy drains to the host) unless the step's forward reads a block it loads, when it waits
+for the loads too; loads it does not read (prefetches) overlap it, and the next step's forward
+waits for them (wait_for_prefetches). A load after an offload in the same stream also reads what that offload wrote.
+Nothing here runs inside a captured graph: the runner applies it before the step's forward.
+An FP8 pool's blocks move as bytes (index_copy_ has no FP8 kernel; the copy is exact either way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raypaged.core.outputs import KVTransfers
+from raypaged.kernels.kv_quant import is_fp8
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+_CHUNK = 32  # blocks per staging tensor (an 8B model's 16-token block: 2 MiB)
+
+
+class HostKVCache:
+    def __init__(self, num_blocks: int, like: KVCaches) -> None:
+        """A host pool of num_blocks blocks shaped like the GPU pools `like` (per layer K, V of
+        [num_gpu_blocks, block_size, kv_heads, head_dim])."""
+        k0 = like[0][0]
+        self.device = k0.device
+        self.on_cuda = self.device.type == "cuda"
+        self.as_bytes = is_fp8(k0.dtype)
+        self.blocks = torch.empty((num_blocks, len(like), 2, *k0.shape[1:]),
+                                  dtype=torch.uint8 if self.as_bytes else k0.dtype)
+        self._registered = False
+        self.stream = None
+        self._loaded: torch.cuda.Event | None = None  # after loads no forward has waited for yet
+        if self.on_cuda:
+            # Page-locked by registering the plain allocation: torch's pinned allocator (pin_memory=)
+            # rounds every allocation up to a power of two, which at tens of GiB is real memory.
+            nbytes = self.blocks.numel() * self.blocks.element_size()
+            if nbytes:
+                _check(torch.cuda.cudart().cudaHostRegister(self.blocks.data_ptr(), nbytes, 0), "register")
+                self._registered = True
+            self.stream = torch.cuda.Stream(self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.shape[0]
+
+    def release(self) -> None:
+        """Unpin the pool (after every copy is done) before its memory goes back."""
+        if self._registered:
+            torch.cuda.synchronize(self.device)
+            _check(torch.cuda.cudart().cudaHostUnregister(self.blocks.data_ptr()), "unregister")
+            self._registered = False
+        self.blocks = torch.empty(0)
+
+    def apply(self, transfers: KVTransfers, kv_caches: KVCaches) -> None:
+        """Offloads, then loads (KVTransfers' order), ordered with the compute stream."""
+        if self.as_bytes:
+            kv_caches = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
+        if self.stream is None:
+            self._offload(transfers.offloads, kv_caches)
+            self._load(transfers.loads, kv_caches)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        read_now = transfers.loads and transfers.loads_read_now
+        with torch.cuda.stream(self.stream):
+            gathered = self._offload(transfers.offloads, kv_caches)
+            if not read_now:
+                assert gathered is not None
+                compute.wait_event(gathered)
+            self._load(transfers.loads, kv_caches)
+            if transfers.loads and not read_now:  # prefetches: the next step's forward waits
+                self._loaded = torch.cuda.Event()
+                self._loaded.record()
+        if read_now:
+            compute.wait_stream(self.stream)
+
+    def wait_for_prefetches(self) -> None:
+        """Before a step's forward (every step): the compute stream waits for the loads the
+        previous step let overlap its forward."""
+        if self._loaded is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded)
+            self._loaded = None
+
+    def _offload(self, pairs: list[tuple[int, int]], kv_caches: KVCaches) -> torch.cuda.Event | None:
+        """Copy GPU blocks to host blocks. Returns (CUDA) the event after the last gather."""
+        gathered = torch.cuda.Event() if self.on_cuda else None
+        chunks = _chunks(sorted(pairs, key=lambda pair: pair[1]))  # by host block: runs copy at once
+        for i, chunk in enumerate(chunks):
+            gpu_ids = self._ids([gpu for gpu, _ in chunk])
+            staged = torch.stack([torch.stack((k.index_select(0, gpu_ids), v.index_select(0, gpu_ids)), dim=1)
+                                  for k, v in kv_caches], dim=1)
+            if gathered is not None and i == len(chunks) - 1:
+                gathered.record()
+            self._to_host(staged, [host for _, host in chunk])
+        if gathered is not None and not chunks:
+            gathered.record()
+        return gathered
+
+    def _to_host(self, staged: torch.Tensor, host_ids: list[int]) -> None:
+        for start, host_start, count in _runs(host_ids):
+            self.blocks[host_start:host_start + count].copy_(staged[start:start + count],
+                                                             non_blocking=self.on_cuda)
+
+    def _load(self, pairs: list[tuple[int, int]], kv_caches: KVCaches) -> None:
+        """Copy host blocks into GPU blocks (no GPU block twice)."""
+        for chunk in _chunks(sorted(pairs)):  # by host block
+            staged = torch.empty((len(chunk), *self.blocks.shape[1:]), dtype=self.blocks.dtype,
+                                 device=self.device)
+            for start, host_start, count in _runs([host for host, _ in chunk]):
+                staged[start:start + count].copy_(self.blocks[host_start:host_start + count],
+                                                  non_blocking=self.on_cuda)
+            gpu_ids = self._ids([gpu for _, gpu in chunk])
+            for layer, (k, v) in enumerate(kv_caches):
+                k.index_copy_(0, gpu_ids, staged[:, layer, 0])
+                v.index_copy_(0, gpu_ids, staged[:, layer, 1])
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64).to(self.device)
+
+
+def _check(status: object, what: str) -> None:
+    code = getattr(status, "value", status)  # an enum in some torch builds, an int in others
+    if code != 0:
+        raise RuntimeError(f"cudaHost{what.capitalize()} of the host KV pool failed: error {code}")
+
+
+def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """At most _CHUNK blocks staged at once: the staging tensor is device memory the KV pool's
+    sizing did not leave room for."""
+    return [pairs[i:i + _CHUNK] for i in range(0, len(pairs), _CHUNK)]
+
+
+def _runs(sorted_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index, first id, length) of each run of consecutive ids in an ascending list."""
+    runs: list[tuple[int, int, int]] = []
+    for index, block in enumerate(sorted_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((index, block, 1))
+    return runs

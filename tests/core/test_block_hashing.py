@@ -1,0 +1,108 @@
+"""The prefix cache's hash chain: sha256 means the same in every process, salts stay apart, and
+the pool's cache events say exactly what entered and left it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raypaged.core.block_hashing import (
+    HASH_ALGOS,
+    ROOT_HASH,
+    block_hasher,
+    encode_block,
+    prefix_hash_values,
+    sha256_block_hash,
+)
+from raypaged.core.block_pool import BlockPool, hash_block_tokens, read_event
+from raypaged.core.kv_cache_manager import KVCacheManager
+from raypaged.core.request import Request
+from raypaged.core.sampling_params import SamplingParams
+
+B = 4
+PROMPT = list(range(100, 114))  # three full blocks and two tokens
+_IN_CHILD = ("from raypaged.core.block_hashing import prefix_hash_values, block_hasher; "
+             "print(prefix_hash_values({p}, {b}, 'tenant-a', block_hasher('{a}')))")
+
+
+def _values_in_child(algo: str, seed: str) -> list[int]:
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    out = subprocess.run([sys.executable, "-c", _IN_CHILD.format(p=PROMPT, b=B, a=algo)], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return [int(v) for v in out.strip().strip("[]").split(",")]
+
+
+@pytest.mark.integration  # starts processes
+def test_sha256_chain_is_the_same_in_processes_of_other_hash_seeds():
+    here = prefix_hash_values(PROMPT, B, "tenant-a", block_hasher("sha256"))
+    assert _values_in_child("sha256", "1") == here == _values_in_child("sha256", "2")
+    # What makes sha256 necessary: Python's hash of a salted tuple differs between them.
+    assert _values_in_child("builtin", "1") != _values_in_child("builtin", "2")
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_salts_and_prefixes_stay_apart(algo):
+    hasher = block_hasher(algo)
+    plain = prefix_hash_values(PROMPT, B, None, hasher)
+    salted_a = prefix_hash_values(PROMPT, B, "a", hasher)
+    salted_b = prefix_hash_values(PROMPT, B, "b", hasher)
+    assert len(plain) == 3
+    assert not set(plain) & set(salted_a) and not set(salted_a) & set(salted_b)
+    # The chain: the second block's value depends on the first block's tokens.
+    other_first = prefix_hash_values([0] + PROMPT[1:], B, None, hasher)
+    assert other_first[1] != plain[1]
+
+
+def test_encoding_is_canonical_and_unambiguous():
+    assert encode_block(ROOT_HASH, (1, 2), ("ab", "c")) != encode_block(ROOT_HASH, (1, 2), ("a", "bc"))
+    assert encode_block(ROOT_HASH, (1, 2), None) != encode_block(ROOT_HASH, (1, 2), ("",))
+    assert encode_block(-5, (1,), (3,)) != encode_block(5, (1,), (3,))
+    assert sha256_block_hash(7, (1, 2, 3), None) == sha256_block_hash(7, (1, 2, 3), None)
+    with pytest.raises(TypeError):
+        encode_block(0, (1,), (1.5,))
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_manager_hashes_blocks_as_the_frontend_does(algo):
+    manager = KVCacheManager(16, B, hash_algo=algo)
+    request = Request("r", PROMPT, SamplingParams(max_tokens=4), cache_salt="t")
+    assert manager.allocate_slots(request, len(PROMPT)) is not None
+    request.num_computed_tokens = len(PROMPT)
+    manager.cache_blocks(request, len(PROMPT))
+    values = [h.hash_value for h in manager._requests["r"].block_hashes]
+    assert values == prefix_hash_values(PROMPT, B, "t", block_hasher(algo))
+
+
+def test_unknown_algorithm_is_refused():
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        KVCacheManager(4, B, hash_algo="md5")
+
+
+def test_events_record_stores_evictions_and_resets_in_order():
+    pool = BlockPool(2)
+    assert pool.take_events() == []
+    h1 = hash_block_tokens(None, (1, 2), None, block_hasher("sha256"))
+    h2 = hash_block_tokens(h1, (3, 4), None, block_hasher("sha256"))
+    a, = pool.get_new_blocks(1)
+    pool.cache_full_block(a, h1)
+    assert pool.take_events() == []  # not recording: nothing kept
+    pool.record_events()
+    b, = pool.get_new_blocks(1)
+    pool.cache_full_block(b, h2)
+    pool.free_blocks([a, b])
+    pool.get_new_blocks(1)  # evicts a (freed first): h1 leaves the cache
+    events = [read_event(e) for e in pool.take_events()]
+    assert events == [(h2.hash_value, True), (h1.hash_value, False)]
+    assert pool.take_events() == []
+    pool.free_blocks([a])
+    assert pool.reset_prefix_cache()
+    assert [read_event(e) for e in pool.take_events()] == [(h2.hash_value, False)]
+
+
+def test_builtin_values_may_be_negative_and_still_decode():
+    from raypaged.core.block_pool import removed_event, stored_event
+
+    for value in (-(2**63), -1, 0, 2**255 + 3):
+        assert read_event(stored_event(value)) == (value, True)
+        assert read_event(removed_event(value)) == (value, False)

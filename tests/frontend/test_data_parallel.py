@@ -1,0 +1,97 @@
+"""Two engine replicas behind one DataParallelEngineClient on CPU: a shared prefix lands on the
+replica that holds it, outputs are transformers' greedy ones (as one engine's), and a replica
+killed mid-stream leaves its request to finish on the other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from raypaged.config import EngineConfig
+from raypaged.core.request import Request
+from raypaged.core.sampling_params import SamplingParams
+from raypaged.engine.client import AsyncEngineClient
+from raypaged.frontend.data_parallel import DataParallelEngineClient
+from tests.support.checkpoints import checkpoint_dir
+from tests.support.hf_oracle import hf_greedy, random_prompts, vocab_of
+
+pytestmark = pytest.mark.integration
+
+NAME = "llama"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+async def collect(client: DataParallelEngineClient, request: Request) -> list[int]:
+    tokens = []
+    async for out in client.generate(request):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+async def wait_for(condition, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_prefix_routing_identical_outputs_and_a_killed_replica():
+    vocab = vocab_of(NAME)
+    system = random_prompts([3 * BLOCK], vocab, seed=5)[0]
+    shared = random_prompts([5, 9, 7], vocab, seed=6, prefix=system)
+    other = random_prompts([3 * BLOCK + 4], vocab, seed=7)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    config = EngineConfig(model=str(checkpoint_dir(NAME)), block_size=BLOCK)
+
+    async def scenario():
+        dp = await DataParallelEngineClient.start(2, lambda: AsyncEngineClient.start(config), "prefix",
+                                                  restart=False)
+        router = dp.router
+        try:
+            assert dp.model_info["data_parallel_size"] == 2
+            first = await collect(dp, Request("s0", shared[0], params))
+            home = max(range(2), key=lambda i: router.replicas[i].routed)
+            # The replica's cache events reach the router with its outputs.
+            await wait_for(lambda: len(router.replicas[home].cached) >= 3)
+            # A longer request streams meanwhile (an idle tie goes to replica 0, possibly home):
+            # within the load slack the shared prefix still goes home.
+            busy = asyncio.ensure_future(collect(dp, Request("o", other, SamplingParams(
+                temperature=0.0, max_tokens=30, ignore_eos=True))))
+            await wait_for(lambda: sum(s.in_flight for s in router.replicas) == 1)
+            before = router.replicas[home].routed
+            rest = [await collect(dp, Request(f"s{i}", p, params)) for i, p in enumerate(shared[1:], 1)]
+            assert router.replicas[home].routed == before + 2
+            assert router.replicas[home].matched_blocks == 6  # 3 blocks each
+            other_tokens = (await busy)[:8]
+            for prompt, tokens in zip(shared + [other], [first, *rest, other_tokens]):
+                assert tokens == hf_greedy(checkpoint_dir(NAME), tuple(prompt), 8)
+            stats = (await dp.replicas[home].stats())["scheduler"]
+            assert stats.kv_cache.prefix_cache_hits >= 2 * 3 * BLOCK  # both later requests hit
+            # Kill the replica streaming a long request: it finishes on the other, same tokens.
+            long_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            long_prompt = shared[1]
+            tokens: list[int] = []
+            stream = dp.generate(Request("long", long_prompt, long_params))
+            async for out in stream:
+                tokens += out.new_token_ids
+                if len(tokens) >= 3 and router.replicas[home].alive:
+                    ray.kill(dp.replicas[home].actor, no_restart=True)
+            assert tokens == hf_greedy(checkpoint_dir(NAME), tuple(long_prompt), 40)
+            assert not router.replicas[home].alive and dp.is_alive
+            # New requests go to the survivor.
+            assert await collect(dp, Request("after", shared[2], params)) == rest[1]
+            assert router.replicas[1 - home].routed >= 2  # the continuation and "after"
+        finally:
+            await dp.shutdown()
+
+    asyncio.run(scenario())

@@ -1,0 +1,100 @@
+"""Serve's request router for raypaged replicas, without Serve running: replicas' routing stats
+and a gRPC GenerateRequest's prompt decide the ranking."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from types import SimpleNamespace
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, gRPCRequest
+
+from raypaged.core.block_hashing import block_hasher, prefix_hash_values
+from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.prefix_request_router import PrefixAwareRequestRouter, routing_value
+
+BLOCK = 4
+PROMPT = list(range(10, 22))  # three full blocks
+OTHER = list(range(50, 62))
+
+
+class FakeReplica:
+    def __init__(self, name: str, stats: dict) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DeploymentID(name="raypaged"))
+        self.routing_stats = stats
+        self.max_ongoing_requests = 256
+
+
+class FakeResult:
+    def __init__(self) -> None:
+        self.callbacks: list = []
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+
+def hashes(prompt: list[int]) -> list[int]:
+    return [routing_value(v) for v in prefix_hash_values(prompt, BLOCK, None, block_hasher("sha256"))]
+
+
+def request(prompt: list[int]) -> SimpleNamespace:
+    """As Serve's gRPC proxy sends it: a gRPCRequest, pickled."""
+    message = gRPCRequest(user_request_proto=pb.GenerateRequest(prompt_token_ids=prompt))
+    return SimpleNamespace(args=[pickle.dumps(message)], kwargs={})
+
+
+def make_router() -> PrefixAwareRequestRouter:
+    """Inside an event loop: Serve's router starts tasks as it is made."""
+    router = PrefixAwareRequestRouter(DeploymentID(name="raypaged"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(block_size=BLOCK)
+    return router
+
+
+def test_the_replica_holding_the_prefix_ranks_first_and_routed_prompts_stay_pending():
+    asyncio.run(_holding_and_pending())
+
+
+async def _holding_and_pending():
+    router = make_router()
+    idle = {"cached": [], "num_waiting": 0, "num_running": 0, "kv_usage": 0.0}
+    a = FakeReplica("a", dict(idle))
+    b = FakeReplica("b", {**idle, "cached": hashes(PROMPT)})
+    router.update_replicas([a, b])
+    ranks = (await router.choose_replicas([a, b], request(PROMPT)))
+    assert ranks[0] == [b] and ranks[1] == [a]
+    # A new prefix: the idle tie goes to the first replica; routed there, it is pending there.
+    first = (await router.choose_replicas([a, b], request(OTHER)))[0][0]
+    result = FakeResult()
+    router.on_request_routed(request(OTHER), first.replica_id, result)
+    assert (await router.choose_replicas([a, b], request(OTHER)))[0] == [first]
+    for callback in result.callbacks:
+        callback(None)
+    state = router._router.replicas[router._indices[first.replica_id]]
+    assert state.in_flight == 0 and not state.pending
+
+
+def test_load_and_a_removed_replica():
+    asyncio.run(_load_and_removed())
+
+
+async def _load_and_removed():
+    router = make_router()
+    a = FakeReplica("a", {"cached": hashes(PROMPT), "num_waiting": 20, "num_running": 8, "kv_usage": 0.5})
+    b = FakeReplica("b", {"cached": [], "num_waiting": 0, "num_running": 1, "kv_usage": 0.1})
+    router.update_replicas([a, b])
+    assert (await router.choose_replicas([a, b], request(PROMPT)))[0] == [b]  # a's queue is too long
+    router.update_replicas([b])
+    assert (await router.choose_replicas([b], request(PROMPT))) == [[b]]
+
+
+def test_a_request_it_cannot_read_is_placed_by_load():
+    asyncio.run(_unreadable())
+
+
+async def _unreadable():
+    router = make_router()
+    a = FakeReplica("a", {"cached": [], "num_waiting": 5, "num_running": 0, "kv_usage": 0.0})
+    b = FakeReplica("b", {"cached": [], "num_waiting": 0, "num_running": 0, "kv_usage": 0.0})
+    router.update_replicas([a, b])
+    http = SimpleNamespace(args=[object()], kwargs={})  # Serve's HTTP proxy: no body to read
+    assert (await router.choose_replicas([a, b], http))[0] == [b]

@@ -1,0 +1,67 @@
+"""HostKVCache: a step's offloads then loads move exactly the named blocks of every layer's K and
+V, on CPU (plain memory) and on CUDA (pinned memory, the copy stream, ordered with the forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raypaged.core.outputs import KVTransfers
+from raypaged.worker.kv_offload import HostKVCache, _runs
+
+
+def pools(num_blocks: int, device: str, layers: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, 4, 2, 8)  # blocks, block_size, kv_heads, head_dim
+    return [(torch.randn(shape, device=device), torch.randn(shape, device=device)) for _ in range(layers)]
+
+
+def roundtrip(device: str, chunk: int | None = None) -> None:
+    kv = pools(10, device)
+    before = [(k.clone(), v.clone()) for k, v in kv]
+    host = HostKVCache(6, kv)
+    # Offload GPU blocks 7, 2, 3 to host blocks 4, 0, 1 (two runs); a load in the same step reads
+    # host block 0, which the offload just wrote, into GPU block 9.
+    host.apply(KVTransfers(offloads=[(7, 4), (2, 0), (3, 1)], loads=[(0, 9)]), kv)
+    for (k, v), (k0, v0) in zip(kv, before):
+        assert torch.equal(k[9], k0[2]) and torch.equal(v[9], v0[2])
+    # The forward may now overwrite the offloaded blocks; they come back from the host.
+    for k, v in kv:
+        k[[7, 2, 3]] = 0.0
+        v[[7, 2, 3]] = 0.0
+    # Prefetches: not waited for by this step's forward, by the next one's.
+    host.apply(KVTransfers(loads=[(4, 5), (1, 6), (0, 2)], loads_read_now=False), kv)
+    host.wait_for_prefetches()
+    for (k, v), (k0, v0) in zip(kv, before):
+        for gpu, original in [(5, 7), (6, 3), (2, 2), (9, 2)]:
+            assert torch.equal(k[gpu], k0[original]) and torch.equal(v[gpu], v0[original])
+        for untouched in (0, 1, 4, 8):
+            assert torch.equal(k[untouched], k0[untouched]) and torch.equal(v[untouched], v0[untouched])
+
+
+def test_offload_then_load_on_cpu():
+    roundtrip("cpu")
+
+
+def test_many_blocks_are_staged_in_chunks(monkeypatch):
+    monkeypatch.setattr("raypaged.worker.kv_offload._CHUNK", 2)
+    kv = pools(12, "cpu", layers=2)
+    before = [(k.clone(), v.clone()) for k, v in kv]
+    host = HostKVCache(12, kv)
+    host.apply(KVTransfers(offloads=[(i, 11 - i) for i in range(7)]), kv)
+    host.apply(KVTransfers(loads=[(11 - i, i + 5) for i in range(7)]), kv)
+    for (k, _), (k0, _) in zip(kv, before):
+        assert all(torch.equal(k[i + 5], k0[i]) for i in range(7))
+
+
+def test_runs_of_consecutive_ids():
+    assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+    assert _runs([]) == []
+
+
+@pytest.mark.gpu
+def test_offload_then_load_on_cuda_with_pinned_memory_and_a_copy_stream():
+    assert torch.cuda.is_available()
+    host = HostKVCache(2, pools(2, "cuda"))
+    assert host.blocks.is_pinned() and host.stream is not None
+    host.release()
+    roundtrip("cuda")
