@@ -251,7 +251,9 @@ class ModelRunner:
             block_tables[:, req_of_token, positions // self.block_size].astype(np.int64)
             * self.block_size + positions % self.block_size)
         # Every row sampled once, in order (a plain decode step): no gather of the hidden states.
-        all_rows = len(sample_rows) == num_tokens
+        # Not just as many samples as rows: a 2-token last chunk of an n = 2 prompt beside decodes
+        # also has one sample a row, both from its last row.
+        all_rows = sample_rows == list(range(num_tokens))
         # One small copy per array. Packing them into one pinned buffer was measured slower on
         # the H200 (benchmarks/bench_staging.py: 149 vs 81 us a step at batch 1).
         dev = self.device

@@ -83,6 +83,19 @@ def test_parallel_sampling_each_sample_equals_the_single_greedy_result(async_sch
     assert_matches_hf("llama", prompts, results, max_tokens=MAX_TOKENS)
 
 
+def test_samples_of_a_prompt_completed_by_a_short_chunk_beside_decodes(async_scheduling):
+    """A step of decodes and an n = 2 prompt's last chunk of 2 tokens has as many samples as
+    rows, yet both samples come from the chunk's last row (the runner once took "as many" for
+    "each row in order" and gave sample 0 the prompt's second-to-last row)."""
+    vocab = vocab_of("llama")
+    prefix = random_prompts([20], vocab, seed=31)[0]
+    prompts = random_prompts([30, 3, 17], vocab, seed=32, prefix=prefix)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+    _, results = run("llama", prompts, params, block_size=8, max_num_batched_tokens=16,
+                     enable_prefix_caching=True, async_scheduling=async_scheduling)
+    assert_matches_hf("llama", prompts, results, max_tokens=8)
+
+
 def test_triton_kernels_end_to_end_under_the_interpreter(async_scheduling):
     prompts = random_prompts([5, 19], vocab_of("llama"), seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
