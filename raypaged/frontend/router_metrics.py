@@ -16,11 +16,16 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """Several engines' stats as one engine's: counts and slots summed (usage is then the pools'
     together)."""
     kv = [s.kv_cache for s in stats]
+    # Replicas of one model share the block size and the groups' windows; per-group block
+    # counts add up group by group.
+    same = ("block_size", "group_windows", "group_blocks")
     summed = {f.name: sum(getattr(k, f.name) for k in kv) for f in dataclasses.fields(KVCacheStats)
-              if f.name not in ("block_size", "group_blocks")}
+              if f.name not in same}
+    group_blocks = tuple(sum(blocks) for blocks in zip(*(k.group_blocks for k in kv)))
     return SchedulerStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                           sum(s.num_preemptions for s in stats),
-                          KVCacheStats(block_size=kv[0].block_size, **summed))
+                          KVCacheStats(block_size=kv[0].block_size, group_windows=kv[0].group_windows,
+                                       group_blocks=group_blocks, **summed))
 
 
 class RouterMetrics:

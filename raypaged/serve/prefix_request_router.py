@@ -16,6 +16,7 @@ through it are placed by load only (power of two choices over the same loads).
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 from typing import Any
@@ -37,6 +38,19 @@ def routing_value(hash_value: int) -> int:
     return hash_value & _MASK_64
 
 
+class _ServeRequestUnpickler(pickle.Unpickler):
+    """Unpickles what Serve's gRPC proxy pickled — its gRPCRequest around the client's parsed
+    message — and refuses every other class, so bytes that are not the proxy's cannot run code
+    here (the replica unpickles the same bytes with Ray's own unpickler)."""
+
+    ALLOWED_PREFIXES = ("ray.serve.", "raypaged.proto.", "google.protobuf.")
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not module.startswith(self.ALLOWED_PREFIXES):
+            raise pickle.UnpicklingError(f"{module}.{name} is not a Serve request")
+        return super().find_class(module, name)
+
+
 def generate_request_of(pending: PendingRequest) -> pb.GenerateRequest | None:
     """The GenerateRequest among the request's arguments: a handle caller's own, or the one
     Serve's gRPC proxy sends (a gRPCRequest, pickled by the proxy itself, as the replica will
@@ -44,7 +58,7 @@ def generate_request_of(pending: PendingRequest) -> pb.GenerateRequest | None:
     for arg in (*pending.args, *pending.kwargs.values()):
         if isinstance(arg, bytes):
             try:
-                arg = pickle.loads(arg)  # noqa: S301 - bytes Serve's own proxy pickled
+                arg = _ServeRequestUnpickler(io.BytesIO(arg)).load()
             except Exception:  # noqa: BLE001 - not the proxy's: placed by load
                 continue
         message = getattr(arg, "user_request_proto", arg)  # Serve's gRPCRequest wraps it

@@ -130,3 +130,8 @@ def test_metrics_count_per_replica_and_merge_sums_engines():
     assert value("prefix_cache_hits_total", "1") == 48 and value("in_flight_requests", "1") == 2
     merged = merge_stats([stats(0), stats(48)])
     assert (merged.num_waiting, merged.kv_cache.num_blocks, merged.kv_cache.prefix_cache_hits) == (4, 20, 48)
+    # Engines with KV-cache groups: the windows as each has them, the groups' blocks added up.
+    grouped = [SchedulerStats(1, 0, 0, KVCacheStats(10, 4, 16, 96, 90, 100, 10, 64, 0, group_blocks=(3, 2),
+                                                    group_windows=(None, 8))) for _ in range(2)]
+    merged = merge_stats(grouped)
+    assert merged.kv_cache.group_blocks == (6, 4) and merged.kv_cache.group_windows == (None, 8)

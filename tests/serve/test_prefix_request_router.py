@@ -98,3 +98,30 @@ async def _unreadable():
     router.update_replicas([a, b])
     http = SimpleNamespace(args=[object()], kwargs={})  # Serve's HTTP proxy: no body to read
     assert (await router.choose_replicas([a, b], http))[0] == [b]
+
+
+class _Payload:
+    """Pickles to a call of os.system: what a hostile byte string would carry."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("echo pwned > /dev/null",)
+
+
+def test_only_the_proxys_request_is_unpickled():
+    from raypaged.serve.prefix_request_router import generate_request_of
+
+    message = generate_request_of(request([5, 6, 7]))
+    assert message is not None and list(message.prompt_token_ids) == [5, 6, 7]
+    called = []
+    import os
+
+    hostile = SimpleNamespace(args=[pickle.dumps(_Payload())], kwargs={})
+    real = os.system
+    os.system = lambda *a: called.append(a) or 0  # type: ignore[assignment]
+    try:
+        assert generate_request_of(hostile) is None
+    finally:
+        os.system = real
+    assert not called
