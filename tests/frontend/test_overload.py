@@ -13,7 +13,6 @@ past its timeout (X-Request-Timeout, or the server's request_timeout_s) is abort
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +28,7 @@ from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.server import ServerConfig
 from raypaged.serve.openai_api import OpenAIFrontDoor
 from raypaged.serve.standalone_http import HTTPServer, build_http_app
-from tests.support.checkpoints import copy_checkpoint
+from tests.support.checkpoints import roomy_llama
 from tests.support.frontend_harness import ServerThread, init_ray
 from tests.support.hf_oracle import hf_greedy, random_prompts
 
@@ -47,12 +46,7 @@ VOCAB = 320
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    def roomy(path):
-        config = json.loads((path / "config.json").read_text())
-        config["max_position_embeddings"] = 4096
-        (path / "config.json").write_text(json.dumps(config))
-
-    return str(copy_checkpoint("llama", tmp_path_factory.mktemp("overload") / "llama", roomy))
+    return str(roomy_llama(tmp_path_factory.mktemp("overload") / "llama"))
 
 
 @pytest.fixture(scope="module")

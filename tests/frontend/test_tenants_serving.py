@@ -27,7 +27,7 @@ from raypaged.frontend.keys_file import parse_keys
 from raypaged.frontend.server import ServerConfig
 from raypaged.serve.openai_api import OpenAIFrontDoor
 from raypaged.serve.standalone_http import HTTPServer, build_http_app
-from tests.support.checkpoints import copy_checkpoint
+from tests.support.checkpoints import roomy_llama
 from tests.support.frontend_harness import ServerThread, init_ray
 from tests.support.hf_oracle import hf_greedy, random_prompts
 
@@ -52,12 +52,7 @@ KEYS_FILE = {"keys": {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    def roomy(path):
-        config = json.loads((path / "config.json").read_text())
-        config["max_position_embeddings"] = 4096
-        (path / "config.json").write_text(json.dumps(config))
-
-    return str(copy_checkpoint("llama", tmp_path_factory.mktemp("tenants") / "llama", roomy))
+    return str(roomy_llama(tmp_path_factory.mktemp("tenants") / "llama"))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -248,6 +249,17 @@ def copy_checkpoint(name: str, dest: Path, edit: Callable[[Path], None] | None =
     if edit is not None:
         edit(dest)
     return dest
+
+
+def roomy_llama(dest: Path, max_position_embeddings: int = 4096) -> Path:
+    """A copy of the llama checkpoint whose context holds thousands of tokens: requests that
+    run long enough for a test to act while they are in flight."""
+    def roomy(path: Path) -> None:
+        config = json.loads((path / "config.json").read_text())
+        config["max_position_embeddings"] = max_position_embeddings
+        (path / "config.json").write_text(json.dumps(config))
+
+    return copy_checkpoint("llama", dest, roomy)
 
 
 def demo_model_missing() -> bool:
