@@ -106,12 +106,11 @@ def test_an_fp8_pool_holds_twice_the_blocks_in_the_same_memory(kv_cache_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_fp8_kv_on_cuda_with_and_without_cuda_graphs(enforce_eager):
     """Triton kernels on an FP8 pool on the GPU, decode through captured CUDA graphs (and mixed
     steps through piecewise graphs): the tokens of the eager torch-reference path, in fp32."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     prompts = random_prompts([1, 7, 17, 40, 3], vocab_of("llama"), seed=16)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     common = dict(device="cuda", dtype="float32", max_num_seqs=8)

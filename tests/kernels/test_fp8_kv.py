@@ -192,11 +192,10 @@ def _poison_new_slots(batch: PagedBatch, query_lens: list[int]) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("new_kv", ["cache", "ptr", "tma"])
 def test_fp8_kernels_on_cuda(new_kv):
     """Write, decode and prefill on an FP8 pool on the GPU, bf16 queries, the default configs."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     dev = "cuda"
     seq_lens, query_lens = [1, 300, 1000, 64], [1, 100, 257, 64]
     _, batch, k_scale, v_scale, gen = fp8_batch(seq_lens, 8, 128, 16, torch.bfloat16, E4M3,
