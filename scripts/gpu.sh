@@ -36,6 +36,8 @@
 #   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
 #   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel vs W8A8 _scaled_mm vs bf16
 #                cuBLAS at 1 / 16 / 32 / 64 rows -> gemv_fp8_h200.json, ~2 (not yet run)
+#   quality      the trained demo model's held-out perplexity and greedy agreement (32 x 256 tokens),
+#                bf16 baseline vs fp32, FP8 weights, FP8 KV and both -> quality_demo_h200.json, .png
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
@@ -67,7 +69,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 prefill throughput reservation
+ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 quality prefill throughput reservation
          kvcapacity serving serving-multiturn serving-multitenant channel staging sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -154,6 +156,7 @@ suite() {
             --context 1024 --quantization fp8 --out "$OUT_DIR" ;;
         gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
         gemv-fp8) bench gemv-fp8 200 python3 -m benchmarks.bench_gemv --fp8 --rows 1,16,32,64 --out "$OUT_DIR" ;;
+        quality) bench quality 540 python3 -m benchmarks.bench_quality --out "$OUT_DIR" ;;
         prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
         throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \
             --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
