@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,7 +80,9 @@ def run_mode(model: str, settings: dict, chunks: list[list[int]], prompts: list[
     return scores, outputs, facts
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace, save: Callable[[dict], object]) -> dict:
+    """Every mode's measures; `save` gets the result after each mode (a run cut short by its
+    time limit keeps the modes it finished: "complete" says whether all ran)."""
     from transformers import AutoTokenizer
 
     model_dir = Path(args.model)
@@ -99,7 +102,7 @@ def measure(args: argparse.Namespace) -> dict:
         "text": {"held_out_tokens": len(stream), "digest": quality.text_digest(texts),
                  "window": args.window, "windows": len(chunks)},
         "greedy": {"prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
-        "engine": engine_kwargs, "results": {},
+        "engine": engine_kwargs, "complete": False, "results": {},
     }
     base_scores: quality.Scores | None = None
     base_outputs: list[list[int]] | None = None
@@ -116,6 +119,8 @@ def measure(args: argparse.Namespace) -> dict:
             entry.update(quality.scores_against(base_scores, scores))
             entry["greedy"] = quality.greedy_agreement(base_outputs, outputs)
         result["results"][mode] = entry
+        result["complete"] = mode == modes[-1]
+        save(result)
         log(f"   perplexity {entry['perplexity']:.3f}"
             + (f" ({entry['perplexity_change']:+.2%}), top-1 {entry['top1_agreement']:.2%}, greedy prefix "
                f"{entry['greedy']['prefix_agreement']:.2%} / positional {entry['greedy']['positional_agreement']:.2%}"
@@ -192,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         return replot(args.replot, save_plot)
     if not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
-    result = measure(args)
-    path = write_json(f"quality_{Path(args.model).name.removesuffix('_model')}_{device_tag()}", result, args.out)
+    name = f"quality_{Path(args.model).name.removesuffix('_model')}_{device_tag()}"
+    result = measure(args, lambda partial: write_json(name, partial, args.out))
+    path = write_json(name, result, args.out)
     save_plot(result, path.with_suffix(".png"))
     log(f"wrote {path}")
     return 0
