@@ -90,6 +90,15 @@ class Fp8Linear(LinearMethod):
             return quantize_activation(x, per_token=False)
         return ops.quantize_fp8(x, self.input_scale)
 
+    def matmul_silu_mul(self, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor | None:
+        return ops.linear_fp8_silu_mul(x, weight, self.weight_scale, bias)
+
+    def matmul_rope(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                    rotated_features: int) -> torch.Tensor | None:
+        return ops.linear_fp8_rope(x, weight, self.weight_scale, bias, cos, sin, head_dim, rotated_features)
+
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if weight.dtype != FP8_DTYPE:
             raise TypeError(f"Fp8Linear needs an {FP8_DTYPE} weight, got {weight.dtype}")
