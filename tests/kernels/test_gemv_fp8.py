@@ -160,3 +160,37 @@ def test_fp8_linear_fuses_rope_and_swiglu_on_the_triton_backend():
     q, k, _ = expected.split([64, 32, 32], -1)
     rope_in_place_ref(q.view(4, 2, 32), k.view(4, 1, 32), cos, sin)
     _assert_close(rotated, expected)
+
+
+@pytest.mark.slow  # the interpreter runs the paged kernels too
+def test_fp8_decoder_takes_the_fused_epilogues_and_matches_the_separate_kernels(monkeypatch):
+    """The whole decoder with FP8 weights on the Triton backend (interpreter): with epilogues on,
+    decode steps go through the fused rope and SwiGLU kernels, and tokens and logits equal those
+    of the same backend with the epilogues off (the weight-only GEMM, then rope and SwiGLU as
+    their own kernels) to fp32 rounding. (The torch backend is no oracle here: it runs its decode
+    rows through the W8A8 reference, which quantizes the activations too.)"""
+    from raypaged.kernels import gemv_fp8
+    from tests.model.test_fp8_checkpoints import PROMPTS, _load, _run
+    from tests.support.checkpoints import checkpoint_dir
+
+    model = _load(checkpoint_dir("llama"), quantization="fp8")
+    calls: dict[str, int] = {"rope": 0, "silu": 0}
+    for name, fused in (("rope", gemv_fp8.gemv_w8a16_rope), ("silu", gemv_fp8.gemv_w8a16_silu_mul)):
+        def counted(*args, _fused=fused, _name=name, **kwargs):
+            calls[_name] += 1
+            return _fused(*args, **kwargs)
+        monkeypatch.setattr(gemv_fp8, fused.__name__, counted)
+    ops.set_backend("triton")
+    try:
+        gemv.set_epilogues(False)
+        separate_tokens, separate_logits = _run(model)
+        assert calls == {"rope": 0, "silu": 0}
+        gemv.set_epilogues(True)
+        tokens, logits = _run(model)
+    finally:
+        gemv.set_epilogues(True)
+        ops.set_backend("auto")
+    assert calls["rope"] > 0 and calls["silu"] > 0
+    assert tokens == separate_tokens
+    for req in PROMPTS:
+        torch.testing.assert_close(logits[req], separate_logits[req], rtol=1e-4, atol=1e-4)
