@@ -24,12 +24,13 @@ from raypaged.model.quantization.numerics import quantize_weight, weight_only_ma
 SMALL = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, split_k=1)
 
 
-def _operands(rows: int, out_features: int, dtype: torch.dtype, bias: bool, seed: int = 0, in_features: int = 96):
+def _operands(rows: int, out_features: int, dtype: torch.dtype, bias: bool, seed: int = 0, in_features: int = 96,
+              device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype).to(device)
     wq, scale = quantize_weight(torch.randn(out_features, in_features, generator=gen) * 0.1)
-    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
-    return x, wq, scale, b
+    b = torch.randn(out_features, generator=gen).to(dtype).to(device) if bias else None
+    return x, wq.to(device), scale.to(device), b
 
 
 def _product(x, wq, scale, b) -> torch.Tensor:
@@ -38,10 +39,10 @@ def _product(x, wq, scale, b) -> torch.Tensor:
     return (out + b.float() if b is not None else out).to(x.dtype)
 
 
-def _tables(rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(rows: int, head_dim: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.randint(0, 5000, (rows,), generator=torch.Generator().manual_seed(1))
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    return rope_tables_ref(positions, inv_freq)
+    return rope_tables_ref(positions.to(device), inv_freq.to(device))
 
 
 def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -65,9 +66,10 @@ def _assert_rounding(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert ((out.float() - expected.float()).abs() <= step).all()
 
 
-def check_rope(rows, q_heads, kv_heads, head_dim, dtype, bias, config):
-    x, wq, scale, b = _operands(rows, (q_heads + 2 * kv_heads) * head_dim, dtype, bias)
-    cos, sin = _tables(rows, head_dim)
+def check_rope(rows, q_heads, kv_heads, head_dim, dtype, bias, config, device="cpu", in_features=96):
+    x, wq, scale, b = _operands(rows, (q_heads + 2 * kv_heads) * head_dim, dtype, bias, device=device,
+                                in_features=in_features)
+    cos, sin = _tables(rows, head_dim, device)
     expected = _product(x, wq, scale, b)
     q, k, _ = expected.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     rope_in_place_ref(q.view(rows, q_heads, head_dim), k.view(rows, kv_heads, head_dim), cos, sin)
@@ -92,12 +94,15 @@ def test_rope_epilogue_is_the_weight_only_product_then_rope(dtype, rows, block_n
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,block_n,split_k,bias", [(1, 32, 1, True), (7, 16, 2, False)])
 def test_silu_epilogue_is_the_weight_only_product_then_silu_and_mul(dtype, rows, block_n, split_k, bias):
-    x, wq, scale, b = _operands(rows, 2 * 48, dtype, bias, seed=2)
-    out = gemv_w8a16_silu_mul(x, wq, scale, b, dict(SMALL, block_n=block_n, split_k=split_k))
-    assert out.shape == (rows, 48)
+    check_silu(rows, 48, dtype, bias, dict(SMALL, block_n=block_n, split_k=split_k))
+
+
+def check_silu(rows, intermediate, dtype, bias, config, device="cpu", in_features=96):
+    x, wq, scale, b = _operands(rows, 2 * intermediate, dtype, bias, seed=2, device=device, in_features=in_features)
+    out = gemv_w8a16_silu_mul(x, wq, scale, b, config)
+    assert out.shape == (rows, intermediate)
     _assert_close(out, silu_and_mul_ref(_product(x, wq, scale, b)))
-    _assert_rounding(out, silu_and_mul_ref(gemv_w8a16(x, wq, scale, b, dict(SMALL, block_n=block_n,
-                                                                           split_k=split_k))))
+    _assert_rounding(out, silu_and_mul_ref(gemv_w8a16(x, wq, scale, b, config)))
 
 
 def test_epilogues_equal_the_plain_kernel_then_the_step():
@@ -194,3 +199,21 @@ def test_fp8_decoder_takes_the_fused_epilogues_and_matches_the_separate_kernels(
     assert tokens == separate_tokens
     for req in PROMPTS:
         torch.testing.assert_close(logits[req], separate_logits[req], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_gpu_fp8_epilogues_8b_shapes(rows):
+    """The 8B's qkv (32 q and 8 kv heads of 128) and gate/up (14336) with e4m3 weights and bf16
+    rows, at the configs the engine launches them with."""
+    def config(out_features: int, group: int, name: str) -> dict:
+        x = torch.zeros(rows, 4096, dtype=torch.bfloat16, device="cuda")
+        weight = torch.zeros(out_features, 4096, device="cuda").to(torch.float8_e4m3fn)
+        chosen = w8a16_epilogue_config(x, weight, group, name)
+        assert chosen is not None
+        return chosen
+
+    check_rope(rows, 32, 8, 128, torch.bfloat16, False, config(6144, 64, "rope"), "cuda", 4096)
+    check_rope(rows, 32, 8, 128, torch.bfloat16, True, dict(config(6144, 64, "rope"), split_k=2), "cuda", 4096)
+    check_silu(rows, 14336, torch.bfloat16, False, config(28672, 14336, "silu"), "cuda", 4096)
