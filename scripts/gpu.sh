@@ -34,8 +34,10 @@
 #   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
 #   model-fp8    the same with FP8 weights (quantized at load) -> decode_model_fp8_8b_h200.json, ~2
 #   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
-#   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel vs W8A8 _scaled_mm vs bf16
-#                cuBLAS at 1 / 16 / 32 / 64 rows -> gemv_fp8_h200.json, ~2 (not yet run)
+#   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel's configs swept at 1 row (its
+#                winners recorded in the device's tuned table, raypaged/kernels/configs/, which the
+#                FP8 decode then launches), then that kernel vs W8A8 _scaled_mm vs bf16 cuBLAS at
+#                1 / 16 / 32 / 64 rows -> gemv_fp8_h200.json, ~4 (run it before model-fp8)
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
@@ -153,7 +155,9 @@ suite() {
         model-fp8) bench model-fp8 200 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
             --context 1024 --quantization fp8 --out "$OUT_DIR" ;;
         gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
-        gemv-fp8) bench gemv-fp8 200 python3 -m benchmarks.bench_gemv --fp8 --rows 1,16,32,64 --out "$OUT_DIR" ;;
+        gemv-fp8) bench gemv-fp8 300 python3 -m benchmarks.bench_gemv --fp8 --tune-rows 1 --rows 1,16,32,64 \
+            --table "$(python3 -c 'import torch; from raypaged.kernels.gemv_table import table_path
+print(table_path(torch.cuda.get_device_name()))')" --out "$OUT_DIR" ;;
         prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
         throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \
             --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \

@@ -14,10 +14,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from .gemv import DEFAULT_ROWS, MAX_ROWS, _launch, default_config
+from . import gemv_table
+from .gemv import DEFAULT_ROWS, MAX_ROWS, _launch, default_config, padded_rows
 from .triton_common import device_properties
 
 FP8_WEIGHT = torch.float8_e4m3fn
+TABLE_DTYPE = "float8_e4m3fn"  # the tuned table's key for products over an e4m3 weight
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -29,9 +31,16 @@ def supports_w8a16(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def w8a16_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
-    """The launch config for up to DEFAULT_ROWS rows (the weight's one-byte tiles), else None."""
+    """The launch config for up to DEFAULT_ROWS rows (the weight's one-byte tiles), else None:
+    the device's tuned entry for the shape (gemv_table, dtype "float8_e4m3fn"), else the
+    default rule."""
     if not supports_w8a16(x, weight) or x.shape[0] > DEFAULT_ROWS:
         return None
+    if x.is_cuda:
+        entry = gemv_table.lookup(device_properties(x.device).name, TABLE_DTYPE, weight.shape[0],
+                                  weight.shape[1], padded_rows(x.shape[0]))
+        if entry is not None:
+            return dict(entry["config"])
     shared_memory = device_properties(x.device).shared_memory_per_block_optin if x.is_cuda else 227 * 1024
     return default_config(weight.shape[0], weight.shape[1], 1, shared_memory, x.shape[0])
 
