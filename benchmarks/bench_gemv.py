@@ -177,9 +177,11 @@ def fp8_rows(args: argparse.Namespace, result: dict) -> None:
 
 
 def fp8_sweep(name: str, n: int, k: int, rows: int, table: Path | None, env: dict) -> list[dict]:
-    """--fp8 --tune-rows: the weight-only kernel's launch configs on one shape, each checked
-    against the reference, then timed; the fastest recorded in `table` (key "float8_e4m3fn")."""
-    from raypaged.kernels.gemv_fp8 import TABLE_DTYPE, gemv_w8a16
+    """--fp8 --tune-rows: the weight-only kernels' launch configs on one shape, each checked
+    against the reference, then timed; the fastest recorded in `table` (key "float8_e4m3fn").
+    At more than one row the tensor-core kernel's configs; at one row the one-row kernel's,
+    beside the tensor-core kernel's config for the shape (its tuned entry, else the default)."""
+    from raypaged.kernels.gemv_fp8 import ROW_KERNEL, TABLE_DTYPE, gemv_w8a16, table_rows, w8a16_config
     from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
 
     case = Case(n, k, rows)
@@ -187,10 +189,17 @@ def fp8_sweep(name: str, n: int, k: int, rows: int, table: Path | None, env: dic
     exact = weight_only_matmul_reference(case.x[0], *quantized[0])
     fp8_bytes = n * k + rows * (k + n) * DTYPE.itemsize
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    configs = [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st, "split_k": split}
-               for bn, bk, w, st, split in itertools.product((32, 64, 128), (256, 512), (4, 8), (3, 5),
-                                                             (1, 2, 4))
-               if split == 1 or -(-n // bn) * split <= 4 * sms]
+    if rows == 1:
+        tensor_core = w8a16_config(case.x[0].expand(16, -1).contiguous(), quantized[0][0])
+        configs = [tensor_core] + [
+            {"kernel": ROW_KERNEL, "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
+            for bn, bk, w, st in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (3, 4))
+            if bn * bk <= 8192]
+    else:
+        configs = [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st, "split_k": split}
+                   for bn, bk, w, st, split in itertools.product((32, 64, 128), (256, 512), (4, 8),
+                                                                 (3, 5), (1, 2, 4))
+                   if split == 1 or -(-n // bn) * split <= 4 * sms]
     runs = []
     for config in configs:
         try:
@@ -209,7 +218,7 @@ def fp8_sweep(name: str, n: int, k: int, rows: int, table: Path | None, env: dic
         log(f"{name} rows {rows}: best fp8 {best['config']} {best['TBps']:.2f} TB/s")
         if table is not None:
             gemv_table.record(table, torch.cuda.get_device_name(), env, [{
-                "linear": name, "dtype": TABLE_DTYPE, "out": n, "in": k, "rows": padded_rows(rows),
+                "linear": name, "dtype": TABLE_DTYPE, "out": n, "in": k, "rows": table_rows(rows),
                 "backend": "triton", "config": best["config"], "triton_TBps": best["TBps"],
                 "cublas_TBps": case.bytes / case.time(F.linear) / 1e12}])
     return runs

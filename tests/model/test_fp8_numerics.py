@@ -146,7 +146,10 @@ def test_scaled_mm_matches_the_reference(rows, activation):
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().mean()))
 
 
-@pytest.mark.parametrize("rows, overrides", [(1, {}), (5, {"split_k": 2, "block_k": 32}), (16, {"block_n": 32})])
+@pytest.mark.parametrize("rows, overrides", [
+    (1, {}), (5, {"split_k": 2, "block_k": 32}), (16, {"block_n": 32}),
+    # The one-row kernel: tiles that divide the shape, and tiles that overhang it in N and K.
+    (1, {"kernel": "row", "block_n": 16, "block_k": 32}), (1, {"kernel": "row", "block_n": 32, "block_k": 64})])
 def test_skinny_fp8_gemm_computes_the_weight_only_product(rows, overrides):
     """kernels/gemv_fp8.py (interpreter here; the GPU suite runs it too) against the reference:
     the rows unquantized, the e4m3 weight widened, fp32 sums scaled per feature, bias added."""
@@ -194,9 +197,12 @@ def test_skinny_fp8_gemm_on_the_gpu_matches_the_reference(rows):
     x_cuda, wq_cuda = x16.cuda(), wq.cuda()
     config = w8a16_config(x_cuda, wq_cuda)
     assert config is not None  # up to 16 rows take the kernel by default
-    out = gemv_w8a16(x_cuda, wq_cuda, method.weight_scale.cuda(), None, config)
-    # fp32 sums of exact products: only the bf16 output's rounding (and the summation order).
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().mean()))
+    configs = [config] + ([{"kernel": "row", "block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3}]
+                          if rows == 1 else [])
+    for config in configs:
+        out = gemv_w8a16(x_cuda, wq_cuda, method.weight_scale.cuda(), None, config)
+        # fp32 sums of exact products: only the bf16 output's rounding (and the summation order).
+        torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().mean()))
 
 
 @pytest.mark.gpu
