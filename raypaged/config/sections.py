@@ -246,7 +246,7 @@ class KernelSettings:
                               "GPU (Hopper and later) has it")
     gemm_epilogues: bool = setting(True, "fuse RoPE and SwiGLU into the small-batch GEMMs where "
                                          "the device's tuned table covers them (FP8 weights: "
-                                         "every step the FP8 skinny GEMM takes)")
+                                         "the steps the FP8 tensor-core skinny GEMM takes)")
 
     def validate(self) -> None:
         check_choices(self)
