@@ -106,3 +106,61 @@ def test_builtin_values_may_be_negative_and_still_decode():
     for value in (-(2**63), -1, 0, 2**255 + 3):
         assert read_event(stored_event(value)) == (value, True)
         assert read_event(removed_event(value)) == (value, False)
+
+
+def _counting(manager) -> list[int]:
+    """Wrap the manager's chain function; the list grows by one per block hashed."""
+    calls: list[int] = []
+    hasher = manager._hasher
+
+    def counted(parent, token_ids, extra_keys):
+        calls.append(1)
+        return hasher(parent, token_ids, extra_keys)
+
+    manager._hasher = counted
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["paged", "tiered-recompute", "tiered-swap"])
+def test_a_block_is_hashed_once_across_preemption(kind):
+    from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
+
+    manager = (KVCacheManager(16, B) if kind == "paged" else
+               TieredKVCacheManager(16, B, num_host_blocks=8, swap_preemption=kind == "tiered-swap"))
+    calls = _counting(manager)
+    request = Request("r", PROMPT, SamplingParams(max_tokens=8), cache_salt="t")
+    assert manager.get_computed_blocks(request) == ([], 0)  # (hashed up to its first miss)
+    assert manager.allocate_slots(request, len(PROMPT)) is not None
+    request.num_computed_tokens = len(PROMPT)
+    manager.cache_blocks(request, len(PROMPT))
+    assert len(calls) == 3  # the prompt's three full blocks
+    for token in (7, 8):  # decodes fill the fourth block
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        manager.cache_blocks(request, request.num_computed_tokens)
+    assert len(calls) == 4
+    manager.free_preempted(request)
+    request.num_computed_tokens = 0
+    # Resumption: the lookup finds every full block again without hashing any of them.
+    blocks, num_tokens = manager.get_computed_blocks(request)
+    assert num_tokens == 3 * B and len(calls) == 4  # (its last token is left to compute)
+    hashes = [h.hash_value for h in manager._requests["r"].block_hashes]
+    assert hashes == prefix_hash_values(request.all_token_ids, B, "t", block_hasher("sha256"))
+    manager.free(request)
+    assert "r" not in manager._requests  # ended: nothing kept
+
+
+def test_preemption_keeps_no_hash_of_a_block_with_a_token_in_flight():
+    from raypaged.core.request import PLACEHOLDER_TOKEN_ID
+
+    manager = KVCacheManager(16, B, hash_algo="builtin")  # (sha256 cannot even encode one)
+    request = Request("r", PROMPT, SamplingParams(max_tokens=8))
+    assert manager.allocate_slots(request, len(PROMPT)) is not None
+    request.num_computed_tokens = len(PROMPT)
+    manager.cache_blocks(request, len(PROMPT))
+    request.append_output_token(PLACEHOLDER_TOKEN_ID)  # asynchronous scheduling's next token
+    request.append_output_token(PLACEHOLDER_TOKEN_ID)
+    manager._hash_blocks(manager._requests["r"], 4)  # a block reaching the placeholders
+    manager.free_preempted(request)
+    assert len(manager._requests["r"].block_hashes) == 3
