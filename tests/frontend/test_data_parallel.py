@@ -1,6 +1,7 @@
 """Two engine replicas behind one DataParallelEngineClient on CPU: a shared prefix lands on the
 replica that holds it, outputs are transformers' greedy ones (as one engine's), and a replica
-killed mid-stream leaves its request to finish on the other."""
+killed mid-stream leaves its streams to finish on the other: n = 1 and n = 2, greedy and seeded,
+each sample's tokens those of a fault-free run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import ray
 
 from raypaged.config import EngineConfig
+from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.engine.client import AsyncEngineClient
@@ -91,6 +93,61 @@ def test_prefix_routing_identical_outputs_and_a_killed_replica():
             # New requests go to the survivor.
             assert await collect(dp, Request("after", shared[2], params)) == rest[1]
             assert router.replicas[1 - home].routed >= 2  # the continuation and "after"
+        finally:
+            await dp.shutdown()
+
+    asyncio.run(scenario())
+
+
+async def collect_samples(client: DataParallelEngineClient, request: Request,
+                          seen: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+    """Each sample's tokens; every record of the group's numbering, each sample finished once."""
+    samples: dict[int, list[int]] = {} if seen is None else seen
+    finished: list[int] = []
+    out: EngineCoreOutput
+    async for out in client.generate(request):
+        assert out.group_id == request.group_id and out.sample_index not in finished
+        samples.setdefault(out.sample_index, []).extend(out.new_token_ids)
+        if out.finished:
+            finished.append(out.sample_index)
+    assert sorted(finished) == list(range(request.sampling_params.n))
+    return samples
+
+
+def test_n2_and_seeded_streams_resume_on_another_replica_as_if_nothing_happened():
+    vocab = vocab_of(NAME)
+    prompt = random_prompts([2 * BLOCK + 3], vocab, seed=8)[0]
+    runs = {"greedy2": SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True),
+            "seeded2": SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=24, ignore_eos=True),
+            "seeded1": SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True)}
+    config = EngineConfig(model=str(checkpoint_dir(NAME)), block_size=BLOCK)
+
+    async def scenario():
+        dp = await DataParallelEngineClient.start(2, lambda: AsyncEngineClient.start(config), "prefix",
+                                                  restart=False)
+        try:
+            fault_free = {name: await collect_samples(dp, Request(f"ref-{name}", prompt, params))
+                          for name, params in runs.items()}
+            assert fault_free["greedy2"][0] == fault_free["greedy2"][1] == hf_greedy(
+                checkpoint_dir(NAME), tuple(prompt), 24)
+            assert fault_free["seeded2"][0] != fault_free["seeded2"][1]  # each sample its own seed
+            # The same three at once: the prefix sends them to the replica that holds it.
+            seen: dict[str, dict[int, list[int]]] = {name: {} for name in runs}
+            streams = {name: asyncio.ensure_future(collect_samples(dp, Request(name, prompt, params),
+                                                                   seen[name]))
+                       for name, params in runs.items()}
+            await wait_for(lambda: all(len(seen[name]) == runs[name].n
+                                       and all(len(t) >= 3 for t in seen[name].values()) for name in runs))
+            home = dp._owners["greedy2"]
+            assert all(dp._owners[name] == home for name in runs)
+            ray.kill(dp.replicas[home].actor, no_restart=True)
+            # Killed mid-stream: no sample had all its tokens yet (max_tokens 24).
+            assert all(len(t) < 24 for name in runs for t in seen[name].values())
+            routed_before = dp.router.replicas[1 - home].routed
+            results = {name: await stream for name, stream in streams.items()}
+            assert not dp.router.replicas[home].alive
+            assert results == fault_free
+            assert dp.router.replicas[1 - home].routed == routed_before + 3  # each went on there
         finally:
             await dp.shutdown()
 
