@@ -264,6 +264,18 @@ class TieredKVCacheManager(KVCacheManager):
         self._loads_read_now = False
         return True
 
+    # ---- cache events: both tiers' ---------------------------------------------------------------
+    def record_cache_events(self) -> None:
+        super().record_cache_events()
+        self.host_pool.record_events()
+
+    def take_cache_events(self) -> list[int]:
+        """The GPU pool's events, then the host tier's (each tier's in order; the router keeps
+        the tiers apart, so their relative order does not matter)."""
+        events = super().take_cache_events()
+        host = self.host_pool.take_events()
+        return events + host if host else events
+
     # ---- the step's transfers --------------------------------------------------------------------
     def take_transfers(self) -> KVTransfers | None:
         if self._step_pins:

@@ -93,19 +93,60 @@ def test_events_record_stores_evictions_and_resets_in_order():
     pool.free_blocks([a, b])
     pool.get_new_blocks(1)  # evicts a (freed first): h1 leaves the cache
     events = [read_event(e) for e in pool.take_events()]
-    assert events == [(h2.hash_value, True), (h1.hash_value, False)]
+    assert events == [(h2.hash_value, True, False), (h1.hash_value, False, False)]
     assert pool.take_events() == []
     pool.free_blocks([a])
     assert pool.reset_prefix_cache()
-    assert [read_event(e) for e in pool.take_events()] == [(h2.hash_value, False)]
+    assert [read_event(e) for e in pool.take_events()] == [(h2.hash_value, False, False)]
+
+
+def test_the_host_tier_reports_what_enters_and_leaves_it():
+    from raypaged.core.host_block_pool import HostBlockPool
+    from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
+
+    sha = block_hasher("sha256")
+    h1 = hash_block_tokens(None, (1, 2), None, sha)
+    h2 = hash_block_tokens(h1, (3, 4), None, sha)
+    h3 = hash_block_tokens(h2, (5, 6), None, sha)
+    host = HostBlockPool(2)
+    host.store(h1)
+    assert host.take_events() == []  # not recording
+    host.record_events()
+    for block_hash in (h2, h1):  # h1 is there already: no event
+        host_id, _ = host.store(block_hash)
+        host.unpin([host_id])
+    host.unpin([0])
+    host.store(h3)  # evicts the least recently used unpinned block, h2
+    assert [read_event(e) for e in host.take_events()] == [
+        (h2.hash_value, True, True), (h2.hash_value, False, True), (h3.hash_value, True, True)]
+    host.unpin([1])
+    host.reset()
+    assert sorted(read_event(e) for e in host.take_events()) == sorted(
+        [(h1.hash_value, False, True), (h3.hash_value, False, True)])
+    # The tiered manager: a cached block the GPU pool evicts leaves the GPU and enters the host
+    # tier, in one batch of its events.
+    manager = TieredKVCacheManager(4, B, num_host_blocks=4)
+    manager.record_cache_events()
+    request = Request("r", PROMPT, SamplingParams(max_tokens=1))
+    assert manager.allocate_slots(request, len(PROMPT)) is not None
+    request.num_computed_tokens = len(PROMPT)
+    manager.cache_blocks(request, len(PROMPT))
+    manager.free(request)
+    values = prefix_hash_values(PROMPT, B, None, sha)
+    assert [read_event(e) for e in manager.take_cache_events()] == [(v, True, False) for v in values]
+    other = Request("o", list(range(500, 516)), SamplingParams(max_tokens=1))
+    assert manager.allocate_slots(other, 16) is not None  # the whole pool: every cached block evicted
+    events = [read_event(e) for e in manager.take_cache_events()]
+    assert sorted(events) == sorted([(v, False, False) for v in values] + [(v, True, True) for v in values])
 
 
 def test_builtin_values_may_be_negative_and_still_decode():
     from raypaged.core.block_pool import removed_event, stored_event
 
     for value in (-(2**63), -1, 0, 2**255 + 3):
-        assert read_event(stored_event(value)) == (value, True)
-        assert read_event(removed_event(value)) == (value, False)
+        for host in (False, True):
+            assert read_event(stored_event(value, host)) == (value, True, host)
+            assert read_event(removed_event(value, host)) == (value, False, host)
 
 
 def _counting(manager) -> list[int]:
