@@ -56,9 +56,13 @@ def _encode_keys(extra_keys: tuple[Hashable, ...] | None) -> bytes:
     return b"\x01" + b"".join(map(_encode_key, extra_keys))
 
 
-@functools.lru_cache(maxsize=64)
-def _tokens_struct(num_tokens: int) -> struct.Struct:
-    return struct.Struct(f"<I{num_tokens}I")
+_packers: dict[int, Callable[..., bytes]] = {}  # token count -> struct.pack of count and ids
+_from_bytes = int.from_bytes
+
+
+def _packer(num_tokens: int) -> Callable[..., bytes]:
+    pack = _packers[num_tokens] = struct.Struct(f"<I{num_tokens}I").pack
+    return pack
 
 
 def encode_block(parent: int, token_ids: tuple[int, ...],
@@ -67,12 +71,20 @@ def encode_block(parent: int, token_ids: tuple[int, ...],
     bits: a builtin-chain root or value may be negative), the token count and ids (uint32, little
     endian), then each extra key tagged with its type."""
     return ((parent & _MASK_256).to_bytes(32, "little")
-            + _tokens_struct(len(token_ids)).pack(len(token_ids), *token_ids) + _encode_keys(extra_keys))
+            + (_packers.get(len(token_ids)) or _packer(len(token_ids)))(len(token_ids), *token_ids)
+            + _encode_keys(extra_keys))
 
 
 def sha256_block_hash(parent: int, token_ids: tuple[int, ...],
                       extra_keys: tuple[Hashable, ...] | None) -> int:
-    return int.from_bytes(_sha256(encode_block(parent, token_ids, extra_keys)).digest(), "little")
+    """SHA-256 of encode_block(parent, token_ids, extra_keys), as an int. The encoding is
+    inlined (one call, no cache lookups for the common unsalted block): a block fills, and is
+    hashed, for some request nearly every step."""
+    num = len(token_ids)
+    pack = _packers.get(num) or _packer(num)
+    keys = _encode_keys(extra_keys) if extra_keys else b"\x00"
+    return _from_bytes(_sha256((parent & _MASK_256).to_bytes(32, "little") + pack(num, *token_ids) + keys)
+                       .digest(), "little")
 
 
 def block_hasher(algo: str) -> BlockHasher:

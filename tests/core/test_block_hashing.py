@@ -63,6 +63,18 @@ def test_encoding_is_canonical_and_unambiguous():
         encode_block(0, (1,), (1.5,))
 
 
+def test_sha256_is_the_digest_of_the_canonical_encoding_and_its_values_do_not_change():
+    import hashlib
+
+    for parent, tokens, keys in [(ROOT_HASH, (1, 2, 3, 70000), None), (-5, (9,) * 16, ("tenant", 3)),
+                                 (2**255 + 1, (), ()), (7, tuple(range(64)), ("",))]:
+        digest = hashlib.sha256(encode_block(parent, tokens, keys)).digest()
+        assert sha256_block_hash(parent, tokens, keys) == int.from_bytes(digest, "little")
+    # Engines and frontends of other versions compare these values: they stay put.
+    assert sha256_block_hash(ROOT_HASH, (1, 2, 3, 70000), None) % 2**64 == 2145811306714358956
+    assert sha256_block_hash(-5, (9,) * 16, ("tenant", 3)) % 2**64 == 16573771487054497805
+
+
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 def test_manager_hashes_blocks_as_the_frontend_does(algo):
     manager = KVCacheManager(16, B, hash_algo=algo)
