@@ -68,7 +68,7 @@ def test_sha256_is_the_digest_of_the_canonical_encoding_and_its_values_do_not_ch
 
     for parent, tokens, keys in [(ROOT_HASH, (1, 2, 3, 70000), None), (-5, (9,) * 16, ("tenant", 3)),
                                  (2**255 + 1, (), ()), (7, tuple(range(64)), ("",))]:
-        digest = hashlib.sha256(encode_block(parent, tokens, keys)).digest()
+        digest = hashlib.sha256(encode_block(parent, tokens, keys)).digest()  # OpenSSL's
         assert sha256_block_hash(parent, tokens, keys) == int.from_bytes(digest, "little")
     # Engines and frontends of other versions compare these values: they stay put.
     assert sha256_block_hash(ROOT_HASH, (1, 2, 3, 70000), None) % 2**64 == 2145811306714358956
