@@ -8,6 +8,9 @@ writes it is still to be executed (until the step's transfers are taken) and whi
 swapped out to it waits to resume. A pinned block is never evicted, so a copy never races with
 the block's next contents.
 
+Cache events (record_events / take_events, the host flag set): every hash value that enters or
+leaves the tier, for a data-parallel router's view of it (frontend/prefix_router.py).
+
 Pure bookkeeping over integers: nothing here moves bytes.
 """
 
@@ -16,10 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from raypaged.core.block_pool import BlockHash
+from raypaged.core.block_pool import BlockHash, CacheEventLog, removed_event, stored_event
 
 
-class HostBlockPool:
+class HostBlockPool(CacheEventLog):
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
@@ -68,11 +71,15 @@ class HostBlockPool:
             evicted = self.block_hash[host_id]
             assert evicted is not None
             del self._cached[evicted.hash_value]
+            if self.events is not None:
+                self.events.append(removed_event(evicted.hash_value, host=True))
         else:
             return None
         self.block_hash[host_id] = block_hash
         self._cached[block_hash.hash_value] = host_id
         self.pin_cnt[host_id] = 1
+        if self.events is not None:
+            self.events.append(stored_event(block_hash.hash_value, host=True))
         return host_id, True
 
     # ---- pins ------------------------------------------------------------------------------------
@@ -100,6 +107,8 @@ class HostBlockPool:
 
     def reset(self) -> None:
         """Forget every block (the workers' host pools were replaced): all free, none pinned."""
+        if self.events is not None:
+            self.events += [removed_event(value, host=True) for value in self._cached]
         self.block_hash[:] = [None] * self.num_blocks
         self.pin_cnt[:] = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))
