@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raypaged.core.block_hashing import DEFAULT_HASH_ALGO, block_hasher
 from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 from raypaged.core.errors import UnknownRequestError
 from raypaged.core.kv_cache_groups import KVCacheGroupSpec
@@ -59,7 +60,8 @@ class _HybridRequest:
 
 class HybridKVCacheManager(PagedKVCacheManagerBase):
     def __init__(self, num_blocks: int, block_size: int, groups: Sequence[KVCacheGroupSpec],
-                 enable_prefix_caching: bool = True, max_tokens_per_step: int | None = None) -> None:
+                 enable_prefix_caching: bool = True, max_tokens_per_step: int | None = None,
+                 hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if not groups:
@@ -75,6 +77,7 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
         self.rewritten_req_ids: set[str] = set()
+        self._hasher = block_hasher(hash_algo)
 
     def _state(self, request: Request) -> _HybridRequest:
         state = self._requests.get(request.request_id)
@@ -96,7 +99,7 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
         keys = (g, salt) if salt else (g,)
         parent = hashes[-1] if hashes else None
         for start in range(len(hashes) * B, num_blocks * B, B):
-            parent = hash_block_tokens(parent, tuple(tokens[start:start + B]), keys)
+            parent = hash_block_tokens(parent, tuple(tokens[start:start + B]), keys, self._hasher)
             hashes.append(parent)
         return hashes
 

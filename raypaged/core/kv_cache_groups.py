@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raypaged.core.block_hashing import DEFAULT_HASH_ALGO
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 
 
@@ -85,17 +86,20 @@ def group_size(groups: Sequence[KVCacheGroupSpec]) -> int:
 def make_kv_cache_manager(num_blocks: int, block_size: int,
                           groups: Sequence[KVCacheGroupSpec] = FULL_ATTENTION,
                           enable_prefix_caching: bool = True,
-                          max_tokens_per_step: int | None = None) -> KVCacheManagerInterface:
+                          max_tokens_per_step: int | None = None,
+                          hash_algo: str = DEFAULT_HASH_ALGO) -> KVCacheManagerInterface:
     """The paged manager for these groups. One full-attention group: the plain KVCacheManager,
     exactly as before groups existed. max_tokens_per_step (the scheduler's token budget) only
-    bounds a sliding group's need in can_fit; None: a whole request in one step."""
+    bounds a sliding group's need in can_fit; None: a whole request in one step. hash_algo: the
+    prefix-cache chain's (core/block_hashing.py)."""
     from raypaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
     from raypaged.core.kv_cache_manager import KVCacheManager
 
     if not groups:
         raise ValueError("a KV cache needs at least one group")
     if len(groups) == 1 and not groups[0].is_sliding:
-        return KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        return KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                              hash_algo=hash_algo)
     return HybridKVCacheManager(num_blocks, block_size, groups,
                                 enable_prefix_caching=enable_prefix_caching,
-                                max_tokens_per_step=max_tokens_per_step)
+                                max_tokens_per_step=max_tokens_per_step, hash_algo=hash_algo)

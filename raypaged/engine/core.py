@@ -363,7 +363,8 @@ class EngineCore:
                               "sliding-window layers) yet: add --no-kv-cache-groups")
         return make_kv_cache_manager(self.num_blocks, self.config.scheduler.block_size, groups,
                                      self.config.scheduler.enable_prefix_caching,
-                                     max_tokens_per_step=self.max_num_batched_tokens)
+                                     max_tokens_per_step=self.max_num_batched_tokens,
+                                     hash_algo=self.config.scheduler.prefix_caching_hash_algo)
 
     def _tiered_manager(self) -> TieredKVCacheManager | None:
         """The host tier behind the GPU pool (cache.kv_offload_size), of as many blocks as every

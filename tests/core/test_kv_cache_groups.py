@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raypaged.core.async_scheduler import make_scheduler
+from raypaged.core.block_hashing import ROOT_HASH
 from raypaged.core.errors import InvalidRequestError
 from raypaged.core.hybrid_kv_cache_manager import NULL_BLOCK_ID, HybridKVCacheManager
 from raypaged.core.kv_cache_groups import (
@@ -79,6 +80,25 @@ def test_sliding_group_frees_out_of_window_blocks():
     assert stats.group_blocks == (8, 2) and stats.num_used_blocks == 10
     kv.free(r)
     assert kv.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("algo", ["builtin", "sha256"])
+def test_groups_hash_with_the_configured_chain(algo):
+    """Each group's prefix chain is prefix_caching_hash_algo's, its keys the group's index (and
+    the salt): sha256 values are the same in every process, which data parallelism relies on."""
+    from raypaged.core.block_hashing import block_hasher
+
+    kv = make_kv_cache_manager(16, 2, [KVCacheGroupSpec(None), KVCacheGroupSpec(4)], hash_algo=algo)
+    r = make_request("a", [5, 6, 7, 8, 9])
+    kv.allocate_slots(r, 5)
+    r.num_computed_tokens = 5
+    kv.cache_blocks(r, 5)
+    hasher = block_hasher(algo)
+    for g in (0, 1):
+        hashes = kv._requests["a"].groups[g].hashes
+        first = hasher(ROOT_HASH, (5, 6), (g,))
+        assert [h.hash_value for h in hashes[:2]] == [first, hasher(first, (7, 8), (g,))]
+    kv.free(r)
 
 
 # ---- random sequences ---------------------------------------------------------------------------
