@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .gemv import DEFAULT_ROWS, MAX_ROWS, _launch, default_config
+from .gemv import _launch
+from .gemv_config import DEFAULT_ROWS, MAX_ROWS, default_config
 from .triton_common import device_properties
 
 FP8_WEIGHT = torch.float8_e4m3fn
