@@ -177,6 +177,54 @@ def fp8_rows(args: argparse.Namespace, result: dict) -> None:
             torch.cuda.empty_cache()
 
 
+def fp8_sweep(name: str, n: int, k: int, rows: int, table: Path | None, env: dict) -> list[dict]:
+    """--fp8 --tune-rows: the weight-only kernels' launch configs on one shape, each checked
+    against the reference, then timed; the fastest recorded in `table` (key "float8_e4m3fn").
+    At more than one row the tensor-core kernel's configs; at one row the one-row kernel's,
+    beside the tensor-core kernel's config for the shape (its tuned entry, else the default)."""
+    from raypaged.kernels.gemv_fp8 import ROW_KERNEL, TABLE_DTYPE, gemv_w8a16, table_rows, w8a16_config
+    from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
+
+    case = Case(n, k, rows)
+    quantized = [quantize_weight(w) for w in case.weights]
+    exact = weight_only_matmul_reference(case.x[0], *quantized[0])
+    fp8_bytes = n * k + rows * (k + n) * DTYPE.itemsize
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if rows == 1:
+        tensor_core = w8a16_config(case.x[0].expand(16, -1).contiguous(), quantized[0][0])
+        configs = [tensor_core] + [
+            {"kernel": ROW_KERNEL, "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
+            for bn, bk, w, st in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (3, 4))
+            if bn * bk <= 8192]
+    else:
+        configs = [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st, "split_k": split}
+                   for bn, bk, w, st, split in itertools.product((32, 64, 128), (256, 512), (4, 8),
+                                                                 (3, 5), (1, 2, 4))
+                   if split == 1 or -(-n // bn) * split <= 4 * sms]
+    runs = []
+    for config in configs:
+        try:
+            ours = gemv_w8a16(case.x[0], *quantized[0], None, config).float()
+            error = ((ours - exact).abs().max() / exact.abs().max()).item()
+            if error > 1e-2:
+                raise AssertionError(f"relative error {error:.1e}")
+            seconds = graph_time(lambda i, c=config: gemv_w8a16(case.x[i], *quantized[i], None, c),
+                                 case.variants, calls=24, replays=15)
+            runs.append({"config": config, "seconds": seconds, "TBps": fp8_bytes / seconds / 1e12})
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile or fit is recorded
+            runs.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    timed = [r for r in runs if "seconds" in r]
+    if timed:
+        best = min(timed, key=lambda r: r["seconds"])
+        log(f"{name} rows {rows}: best fp8 {best['config']} {best['TBps']:.2f} TB/s")
+        if table is not None:
+            gemv_table.record(table, torch.cuda.get_device_name(), env, [{
+                "linear": name, "dtype": TABLE_DTYPE, "out": n, "in": k, "rows": table_rows(rows),
+                "backend": "triton", "config": best["config"], "triton_TBps": best["TBps"],
+                "cublas_TBps": case.bytes / case.time(F.linear) / 1e12}])
+    return runs
+
+
 def _fp8_row(name: str, n: int, k: int, rows: int) -> dict:
     from raypaged.kernels.gemv_config import default_config
     from raypaged.kernels.gemv_fp8 import gemv_w8a16, w8a16_config
@@ -229,6 +277,10 @@ def main() -> int:
     stem = f"gemv_{'fp8_' if args.fp8 else ''}{device_tag()}"
     path = args.out / (stem + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
     if args.fp8:
+        for rows in [int(r) for r in args.tune_rows.split(",") if r]:
+            for name, (n, k) in weight_shapes(args.shape, args.tp).items():
+                result["sweeps"][f"{name}/{rows}"] = fp8_sweep(name, n, k, rows, args.table, result["env"])
+                torch.cuda.empty_cache()
         fp8_rows(args, result)
         path.write_text(json.dumps(result, indent=1))
         log(f"wrote {path}")

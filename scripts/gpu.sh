@@ -23,7 +23,8 @@
 #   tests        every GPU-marked test (bf16 kernels at the 8B's shapes, PDL on/off bit for bit,
 #                the engine against transformers in fp32 with CUDA graphs, windows and soft caps,
 #                FP8, logit_bias / prompt logprobs and constrained requests with graphs; carry .whl
-#                for xgrammar), ~4 before this session's additions (not yet timed with them)
+#                for xgrammar): past one call's 540 s since the FP8 / groups / window additions -- run
+#                its halves, tests-kernels (tests/kernels) and tests-engine (everything else), a call each
 #   kernels      decode / prefill attention against FlashInfer (the .whl/ wheels, carried) and SDPA:
 #                bandwidth, TFLOP/s, targets -> kernels_h200.json, .png, ~6 (FlashInfer compiles ~2-3)
 #   decode       the 8B engine's decode step at batch 1, 8, 64, 256 -> decode_8b_h200.json, .png, ~3
@@ -34,8 +35,12 @@
 #   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
 #   model-fp8    the same with FP8 weights (quantized at load) -> decode_model_fp8_8b_h200.json, ~2
 #   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
-#   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel vs W8A8 _scaled_mm vs bf16
-#                cuBLAS at 1 / 16 / 32 / 64 rows -> gemv_fp8_h200.json, ~2 (not yet run)
+#   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel's configs swept at 1 row (its
+#                winners recorded in the device's tuned table, raypaged/kernels/configs/, which the
+#                FP8 decode then launches), then that kernel vs W8A8 _scaled_mm vs bf16 cuBLAS at
+#                1 / 16 / 32 / 64 rows -> gemv_fp8_h200.json, ~4 (run it before model-fp8)
+#   quality      the trained demo model's held-out perplexity and greedy agreement (32 x 256 tokens),
+#                bf16 baseline vs fp32, FP8 weights, FP8 KV and both -> quality_demo_h200.json, .png
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
@@ -67,8 +72,9 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 prefill throughput reservation
-         kvcapacity serving serving-multiturn serving-multitenant channel staging sampler structured)
+ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 quality prefill throughput reservation
+         kvcapacity serving serving-multiturn serving-multitenant serving-host-tier serving-swap channel staging
+         sampler structured)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -131,7 +137,12 @@ gpu_test_files() {  # the files holding GPU tests: collecting the whole suite wo
 
 suite() {
     case $1 in
-        tests) use_xgrammar; bench tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:warnings $(gpu_test_files) ;;
+        tests) use_xgrammar; bench tests 540 python3 -m pytest -q -rf --tb=short -m gpu -p no:cacheprovider \
+            -p no:warnings $(gpu_test_files) ;;
+        tests-kernels) bench tests-kernels 540 python3 -m pytest -q -rf --tb=short -m gpu -p no:cacheprovider \
+            -p no:warnings $(gpu_test_files | grep "^tests/kernels/") ;;
+        tests-engine) use_xgrammar; bench tests-engine 540 python3 -m pytest -q -rf --tb=short -m gpu \
+            -p no:cacheprovider -p no:warnings $(gpu_test_files | grep -v "^tests/kernels/") ;;
         kernels) use_wheels; bench kernels 450 python3 -m benchmarks.bench_kernels --out "$OUT_DIR" ;;
         decode) bench decode 300 python3 -m benchmarks.bench_decode --mode time --shape 8b --executors uni \
             --scheduling async --batch-sizes 1,8,64,256 --context 1024 --steps 50 --throughput-batch 8 \
@@ -153,7 +164,10 @@ suite() {
         model-fp8) bench model-fp8 200 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
             --context 1024 --quantization fp8 --out "$OUT_DIR" ;;
         gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
-        gemv-fp8) bench gemv-fp8 200 python3 -m benchmarks.bench_gemv --fp8 --rows 1,16,32,64 --out "$OUT_DIR" ;;
+        gemv-fp8) bench gemv-fp8 300 python3 -m benchmarks.bench_gemv --fp8 --tune-rows 1 --rows 1,16,32,64 \
+            --table "$(python3 -c 'import torch; from raypaged.kernels.gemv_table import table_path
+print(table_path(torch.cuda.get_device_name()))')" --out "$OUT_DIR" ;;
+        quality) bench quality 540 python3 -m benchmarks.bench_quality --out "$OUT_DIR" ;;
         prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
         throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \
             --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
@@ -208,7 +222,7 @@ suite() {
         faults) use_ray && bench faults 240 python3 -m benchmarks.bench_faults --out "$OUT_DIR" ;;
     esac
 }
-SUITES=" ${ONE_GPU[*]} tp faults all "
+SUITES=" ${ONE_GPU[*]} tests-kernels tests-engine tp faults all "
 
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 suites=()

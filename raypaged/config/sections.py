@@ -245,7 +245,8 @@ class KernelSettings:
     pdl: bool = setting(True, "programmatic dependent launch of the decode kernels, where the "
                               "GPU (Hopper and later) has it")
     gemm_epilogues: bool = setting(True, "fuse RoPE and SwiGLU into the small-batch GEMMs where "
-                                         "the device's tuned table covers them")
+                                         "the device's tuned table covers them (FP8 weights: "
+                                         "the steps the FP8 tensor-core skinny GEMM takes)")
 
     def validate(self) -> None:
         check_choices(self)

@@ -196,6 +196,13 @@ def gemv_rope(
     `config` from `epilogue_config(x, weight, head_dim // 2, "rope")`: its block_n pairs features
     within a head."""
     _check(x, weight)
+    return launch_rope(x, weight, bias, cos, sin, head_dim, rotated_features, config)
+
+
+def launch_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, head_dim: int, rotated_features: int, config: dict,
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv_rope after its operands' check (weight_scale: an e4m3 weight's, gemv_fp8.py)."""
     half = head_dim // 2
     for table in (cos, sin):
         if table.shape != (x.shape[0], half) or not table.is_contiguous() or table.dtype != torch.float32:
@@ -206,7 +213,7 @@ def gemv_rope(
                          f"{head_dim} over {weight.shape[0]} outputs")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, config, weight.shape[0] // config["block_n"], epilogue=ROPE,
-            cos=cos, sin=sin, rotated_features=rotated_features, half=half)
+            cos=cos, sin=sin, rotated_features=rotated_features, half=half, weight_scale=weight_scale)
     return out
 
 
@@ -215,13 +222,19 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """silu(gate) * up of the product with a [gate | up] weight [2I, K] -> [M, I]. `config`
     from `epilogue_config(x, weight, I, "silu")`."""
     _check(x, weight)
+    return launch_silu_mul(x, weight, bias, config)
+
+
+def launch_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv_silu_mul after its operands' check (weight_scale: an e4m3 weight's, gemv_fp8.py)."""
     intermediate = weight.shape[0] // 2
     pairs = config["block_n"] // 2
     if weight.shape[0] % 2 or intermediate % pairs:
         raise ValueError(f"block_n {config['block_n']} does not pair gate and up features over "
                          f"{weight.shape[0]} outputs")
     out = torch.empty(x.shape[0], intermediate, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, config, intermediate // pairs, epilogue=SILU_MUL)
+    _launch(x, weight, bias, out, config, intermediate // pairs, epilogue=SILU_MUL, weight_scale=weight_scale)
     return out
 
 

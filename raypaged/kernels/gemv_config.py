@@ -102,6 +102,11 @@ def set_epilogues(enabled: bool) -> None:
     _epilogues = allowed_epilogues(envs.RAYPAGED_GEMM_EPILOGUES) if enabled else frozenset()
 
 
+def epilogue_allowed(name: str) -> bool:
+    """Whether the fused epilogue `name` may be chosen now (set_epilogues, RAYPAGED_GEMM_EPILOGUES)."""
+    return name in _epilogues
+
+
 def epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, name: str) -> dict | None:
     """The config to run this product with the fused epilogue `name` ("rope": gemv_rope, "silu":
     gemv_silu_mul) whose pairs of output features lie `group` features apart (head_dim / 2; the

@@ -88,6 +88,32 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     return None if config is None else gemv_w8a16(x, weight, w_scale, bias, config)
 
 
+def linear_fp8_rope(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                    cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                    rotated_features: int) -> torch.Tensor | None:
+    """linear_fp8's product with rope in the epilogue (as linear_rope), or None where the skinny
+    GEMM does not take it (gemv_fp8.w8a16_epilogue_config)."""
+    if not _skinny_gemm_may_take(x):
+        return None
+    from .gemv_fp8 import gemv_w8a16_rope, w8a16_epilogue_config
+
+    config = w8a16_epilogue_config(x, weight, head_dim // 2, "rope")
+    return None if config is None else gemv_w8a16_rope(x, weight, w_scale, bias, cos, sin, head_dim,
+                                                       rotated_features, config)
+
+
+def linear_fp8_silu_mul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor | None:
+    """silu(gate) * up of linear_fp8's product with a [gate | up] e4m3 weight, in the skinny
+    GEMM's epilogue, or None where it does not take the product."""
+    if not _skinny_gemm_may_take(x):
+        return None
+    from .gemv_fp8 import gemv_w8a16_silu_mul, w8a16_epilogue_config
+
+    config = w8a16_epilogue_config(x, weight, weight.shape[0] // 2, "silu")
+    return None if config is None else gemv_w8a16_silu_mul(x, weight, w_scale, bias, config)
+
+
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                 rotated_features: int) -> torch.Tensor | None:

@@ -144,7 +144,7 @@ def test_on_cuda_with_and_without_cuda_graphs(name, enforce_eager, async_schedul
 @pytest.mark.parametrize("variant", ["torch-ops", "no-epilogues"])
 def test_gemma2_on_cuda_by_parts(variant):
     """Gemma 2 on CUDA (eager, fp32) with every op on torch, or with the Triton ops but no GEMM
-    epilogues: which part of the GPU path, if any, parts from transformers."""
+    epilogues: each of the GPU's paths matches transformers, not only the default one."""
     from raypaged.kernels import ops
 
     prompts = random_prompts([1, 7, 30, 41, 3], vocab_of("gemma2"), seed=29)

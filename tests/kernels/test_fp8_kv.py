@@ -206,16 +206,17 @@ def test_fp8_kernels_on_cuda(new_kv):
             batch.seq_lens, 128 ** -0.5)
     refs = {cd: paged_prefill_ref(q, *args, compute_dtype=cd, **scales)
             for cd in (torch.float32, torch.bfloat16)}
-    k_new, v_new = new_token_kv(batch, query_lens)
-    if new_kv != "cache":
-        _poison_new_slots(batch, query_lens)
-    out = paged_prefill_triton(q, *args, k_new=k_new, v_new=v_new, new_kv=new_kv, **scales)
-    check_against_reference(out, refs.__getitem__, torch.bfloat16)
+    # Decode first: the prefill's new-token slots are poisoned below, and decode reads the pool.
     dq = torch.randn(len(seq_lens), 32, 128, generator=gen).to(torch.bfloat16).to(dev)
     dargs = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 128 ** -0.5)
     dout = paged_decode_triton(dq, *dargs, **scales)
     check_against_reference(dout, lambda cd: paged_decode_ref(dq, *dargs, compute_dtype=cd, **scales),
                             torch.bfloat16)
+    k_new, v_new = new_token_kv(batch, query_lens)
+    if new_kv != "cache":
+        _poison_new_slots(batch, query_lens)
+    out = paged_prefill_triton(q, *args, k_new=k_new, v_new=v_new, new_kv=new_kv, **scales)
+    check_against_reference(out, refs.__getitem__, torch.bfloat16)
     key = (torch.randn(64, 8, 128, generator=gen) * 10).to(torch.bfloat16).to(dev)
     slots = torch.arange(64, device=dev)
     pools = [torch.zeros(8, 16, 8, 128, dtype=E4M3, device=dev) for _ in range(4)]

@@ -124,8 +124,11 @@ def test_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
 @pytest.mark.parametrize("activation", ["token", "static"])
 def test_scaled_mm_matches_the_reference(rows, activation):
-    """cuBLASLt's FP8 GEMM against the CPU reference on the same e4m3 operands: only the
-    accumulation order and the bf16 output rounding differ."""
+    """The GPU's FP8 product against the CPU reference of the arithmetic it runs: a decode
+    step's few rows take the weight-only skinny GEMM (the rows unquantized), more rows cuBLASLt's
+    W8A8 GEMM; only the accumulation order and the bf16 output rounding differ."""
+    from raypaged.kernels.gemv_fp8 import w8a16_config
+
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(384, 512, generator=g)
     x = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
@@ -133,14 +136,20 @@ def test_scaled_mm_matches_the_reference(rows, activation):
     method, wq = _fp8_layer(w, activation)
     if method.input_scale is not None:
         method.input_scale.fill_(float(x.float().abs().max()) / FP8_MAX)
-    ref = method.matmul(x, wq, b).float()
+    if w8a16_config(x.cuda(), wq.cuda()) is not None:
+        ref = weight_only_matmul_reference(x, wq, method.weight_scale) + b.float()
+    else:
+        ref = method.matmul(x, wq, b).float()
     method = method.cuda()
     out = method.matmul(x.cuda(), wq.cuda(), b.cuda())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().mean()))
 
 
-@pytest.mark.parametrize("rows, overrides", [(1, {}), (5, {"split_k": 2, "block_k": 32}), (16, {"block_n": 32})])
+@pytest.mark.parametrize("rows, overrides", [
+    (1, {}), (5, {"split_k": 2, "block_k": 32}), (16, {"block_n": 32}),
+    # The one-row kernel: tiles that divide the shape, and tiles that overhang it in N and K.
+    (1, {"kernel": "row", "block_n": 16, "block_k": 32}), (1, {"kernel": "row", "block_n": 32, "block_k": 64})])
 def test_skinny_fp8_gemm_computes_the_weight_only_product(rows, overrides):
     """kernels/gemv_fp8.py (interpreter here; the GPU suite runs it too) against the reference:
     the rows unquantized, the e4m3 weight widened, fp32 sums scaled per feature, bias added."""
@@ -188,9 +197,12 @@ def test_skinny_fp8_gemm_on_the_gpu_matches_the_reference(rows):
     x_cuda, wq_cuda = x16.cuda(), wq.cuda()
     config = w8a16_config(x_cuda, wq_cuda)
     assert config is not None  # up to 16 rows take the kernel by default
-    out = gemv_w8a16(x_cuda, wq_cuda, method.weight_scale.cuda(), None, config)
-    # fp32 sums of exact products: only the bf16 output's rounding (and the summation order).
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().mean()))
+    configs = [config] + ([{"kernel": "row", "block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3}]
+                          if rows == 1 else [])
+    for config in configs:
+        out = gemv_w8a16(x_cuda, wq_cuda, method.weight_scale.cuda(), None, config)
+        # fp32 sums of exact products: only the bf16 output's rounding (and the summation order).
+        torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().mean()))
 
 
 @pytest.mark.gpu

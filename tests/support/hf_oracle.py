@@ -16,7 +16,13 @@ from tests.support.checkpoints import checkpoint_dir
 def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # Eager attention where the model's attention soft-caps its logits (Gemma 2): SDPA cannot
+    # express the cap, and transformers 5.17 loads Gemma 2 with SDPA by default, silently
+    # dropping it (later releases choose eager themselves).
+    with open(Path(model_dir) / "config.json") as f:
+        soft_capped = json.load(f).get("attn_logit_softcapping") is not None
+    kwargs = {"attn_implementation": "eager"} if soft_capped else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
     model.eval()
     return model
 

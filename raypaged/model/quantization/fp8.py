@@ -3,8 +3,9 @@
 A decode step's few rows on the Triton backend take the skinny GEMM over the e4m3 weight
 (ops.linear_fp8, kernels/gemv_fp8.py): weight-only, the rows in the model's dtype, the weight read
 at one byte an element and widened in registers — the step is bound by those bytes, and
-quantizing its rows would cost a kernel launch per linear. Its fused rope / SwiGLU epilogues are
-not taken for FP8 weights yet: FP8 layers run rope and SwiGLU as separate kernels.
+quantizing its rows would cost a kernel launch per linear. The qkv and gate/up layers take the
+same kernel with rope / SwiGLU in its epilogue (matmul_rope, matmul_silu_mul), except where the
+device's table chose the one-row kernel, which has none (gemv_fp8.w8a16_epilogue_config).
 
 Every other step is W8A8. Activations are quantized as the checkpoint says: per token from their own amax (dynamic, the
 default and what --quantization fp8 uses), per tensor (dynamic), or with the checkpoint's static
@@ -89,6 +90,15 @@ class Fp8Linear(LinearMethod):
         if self.activation == "tensor":  # one amax over the whole step: the torch ops
             return quantize_activation(x, per_token=False)
         return ops.quantize_fp8(x, self.input_scale)
+
+    def matmul_silu_mul(self, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor | None:
+        return ops.linear_fp8_silu_mul(x, weight, self.weight_scale, bias)
+
+    def matmul_rope(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                    rotated_features: int) -> torch.Tensor | None:
+        return ops.linear_fp8_rope(x, weight, self.weight_scale, bias, cos, sin, head_dim, rotated_features)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if weight.dtype != FP8_DTYPE:
