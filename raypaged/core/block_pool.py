@@ -56,22 +56,51 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...],
     return _new_tuple(BlockHash, (hasher(parent_value, token_ids, extra_keys), token_ids, extra_keys))
 
 
-def stored_event(hash_value: int) -> int:
-    """A cache event: this hash value entered the prefix cache (see BlockPool.events)."""
-    return (hash_value << 1) | 1
+class CacheEvent(NamedTuple):
+    """One entry of a pool's cache event stream, decoded (read_event)."""
+
+    hash_value: int
+    stored: bool  # True: the value entered the tier's cache; False: it left it
+    host: bool  # the host tier's (core/host_block_pool.py), else the GPU pool's
 
 
-def removed_event(hash_value: int) -> int:
-    """A cache event: this hash value left the prefix cache."""
-    return hash_value << 1
+def stored_event(hash_value: int, host: bool = False) -> int:
+    """A cache event: this hash value entered the prefix cache of the GPU pool (or, host, of the
+    host tier). One int: the value shifted past a tier bit and a stored bit."""
+    return (hash_value << 2) | (2 if host else 0) | 1
 
 
-def read_event(event: int) -> tuple[int, bool]:
-    """(hash value, stored?) of a cache event (an arithmetic shift: negative values decode too)."""
-    return event >> 1, bool(event & 1)
+def removed_event(hash_value: int, host: bool = False) -> int:
+    """A cache event: this hash value left the GPU pool's prefix cache (or, host, the host tier)."""
+    return (hash_value << 2) | (2 if host else 0)
 
 
-class BlockPool(BlockPoolBase):
+def read_event(event: int) -> CacheEvent:
+    """A cache event decoded (an arithmetic shift: negative values decode too)."""
+    return CacheEvent(event >> 2, bool(event & 1), bool(event & 2))
+
+
+class CacheEventLog:
+    """The cache events a pool keeps while record_events() is on, in order: what a data-parallel
+    router learns the pool's contents from (frontend/prefix_router.py)."""
+
+    events: list[int] | None = None
+
+    def record_events(self) -> None:
+        """Start keeping cache events (idempotent). Whoever turns them on takes them every step."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[int]:
+        """The cache events since the last call (empty while not recording)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
+
+
+class BlockPool(BlockPoolBase, CacheEventLog):
     """The GPU tier: reference-counted blocks, the free queue, the prefix cache's events."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -164,19 +193,6 @@ class BlockPool(BlockPoolBase):
         if self.events is not None:
             self.events.append(stored_event(block_hash.hash_value))
         return True
-
-    def record_events(self) -> None:
-        """Start keeping cache events (idempotent). Whoever turns them on takes them every step."""
-        if self.events is None:
-            self.events = []
-
-    def take_events(self) -> list[int]:
-        """The cache events since the last call (empty while not recording)."""
-        events = self.events
-        if not events:
-            return []
-        self.events = []
-        return events
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after a weight update). Refused (False, nothing

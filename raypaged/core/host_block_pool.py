@@ -8,6 +8,9 @@ writes it is still to be executed (until the step's transfers are taken) and whi
 swapped out to it waits to resume. A pinned block is never evicted, so a copy never races with
 the block's next contents.
 
+Cache events (record_events / take_events, the host flag set): every hash value that enters or
+leaves the tier, for a data-parallel router's view of it (frontend/prefix_router.py).
+
 Pure bookkeeping over integers: nothing here moves bytes.
 """
 
@@ -16,11 +19,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from raypaged.core.block_pool import BlockHash
+from raypaged.core.block_pool import BlockHash, CacheEventLog, removed_event, stored_event
 from raypaged.core.block_pool_base import BlockPoolBase
 
 
-class HostBlockPool(BlockPoolBase):
+class HostBlockPool(BlockPoolBase, CacheEventLog):
     """The host tier: pinned or least-recently-used cached blocks, and a stack of free ones."""
 
     def __init__(self, num_blocks: int) -> None:
@@ -50,11 +53,15 @@ class HostBlockPool(BlockPoolBase):
             evicted = self.block_hash[host_id]
             assert evicted is not None
             del self._cached[evicted.hash_value]
+            if self.events is not None:
+                self.events.append(removed_event(evicted.hash_value, host=True))
         else:
             return None
         self.block_hash[host_id] = block_hash
         self._cached[block_hash.hash_value] = host_id
         self.pin_cnt[host_id] = 1
+        if self.events is not None:
+            self.events.append(stored_event(block_hash.hash_value, host=True))
         return host_id, True
 
     # ---- pins ------------------------------------------------------------------------------------
@@ -82,6 +89,8 @@ class HostBlockPool(BlockPoolBase):
 
     def reset(self) -> None:
         """Forget every block (the workers' host pools were replaced): all free, none pinned."""
+        if self.events is not None:
+            self.events += [removed_event(value, host=True) for value in self._cached]
         self._forget_cached()
         self.pin_cnt[:] = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))

@@ -35,7 +35,7 @@ from raypaged.core.block_hashing import DEFAULT_HASH_ALGO, block_hasher, request
 from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 from raypaged.core.errors import UnknownRequestError
 from raypaged.core.kv_cache_interface import KVCacheStats, PagedKVCacheManagerBase
-from raypaged.core.request import Request
+from raypaged.core.request import PLACEHOLDER_TOKEN_ID, Request
 
 __all__ = ["KVCacheManager", "KVCacheStats", "cdiv"]
 
@@ -290,6 +290,23 @@ class KVCacheManager(PagedKVCacheManagerBase):
                 self._copies = [c for c in self._copies if c[1] not in dropped]
         self.rewritten_req_ids.discard(request_id)
         del self._requests[request_id]
+
+    def free_preempted(self, request: Request) -> None:
+        """As free, but the hashes of the request's full blocks stay with it: it comes back with
+        the same tokens, so on resumption only the blocks it fills anew are hashed (its lookup
+        and registration reuse the chain). Blocks reaching a token still in flight (a
+        placeholder, whose value is not known yet) are dropped from the chain."""
+        state = self._requests.get(request.request_id)
+        hashes = state.block_hashes if state is not None else None
+        self.free(request)
+        if not hashes or not self.enable_prefix_caching:
+            return
+        num_kept = len(hashes)
+        tokens = request.all_token_ids
+        if PLACEHOLDER_TOKEN_ID in tokens[:num_kept * self.block_size]:
+            num_kept = tokens.index(PLACEHOLDER_TOKEN_ID) // self.block_size
+        if num_kept:
+            self._requests[request.request_id] = _RequestBlocks(request, block_hashes=hashes[:num_kept])
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent, whose scheduled tokens must all be

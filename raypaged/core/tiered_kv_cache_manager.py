@@ -229,7 +229,7 @@ class TieredKVCacheManager(KVCacheManager):
         (leading ones first, as far as unpinned host blocks last) and pin them for it."""
         state = self._requests.get(request.request_id)
         if not self.swap_preemption or state is None or not state.block_ids:
-            self.free(request)
+            super().free_preempted(request)
             return
         tokens, block_size = request.all_token_ids, self.block_size
         num_full = min(request.num_computed_tokens // block_size, len(state.block_ids))
@@ -248,7 +248,7 @@ class TieredKVCacheManager(KVCacheManager):
             pins.append(host_id)
             if needs_copy:
                 self._offloads.append((block_id, host_id))
-        self.free(request)
+        super().free_preempted(request)  # (its hash chain kept)
         if pins:
             self._swapped[request.request_id] = pins
 
@@ -263,6 +263,18 @@ class TieredKVCacheManager(KVCacheManager):
         self._prefetched.clear()
         self._loads_read_now = False
         return True
+
+    # ---- cache events: both tiers' ---------------------------------------------------------------
+    def record_cache_events(self) -> None:
+        super().record_cache_events()
+        self.host_pool.record_events()
+
+    def take_cache_events(self) -> list[int]:
+        """The GPU pool's events, then the host tier's (each tier's in order; the router keeps
+        the tiers apart, so their relative order does not matter)."""
+        events = super().take_cache_events()
+        host = self.host_pool.take_events()
+        return events + host if host else events
 
     # ---- the step's transfers --------------------------------------------------------------------
     def take_transfers(self) -> KVTransfers | None:

@@ -8,18 +8,18 @@ same here), asks the router, and streams from the replica it names; every batch 
 pump pulls feeds the router that replica's cache events and load.
 
 A replica that dies: the router stops sending there at once and its streams move to another
-replica. A request that has streamed nothing yet starts again there; an n = 1 request that has
-streamed tokens continues there from its prompt and the tokens already sent (recomputed, greedy
-outputs identical; a seeded sampler's later draws differ); an n > 1 request past its first
-token fails with EngineDeadError as with one engine. With a factory the dead replica is then
-replaced (frontend/supervisor.py's backoff) and rejoins with an empty cache.
+replica, as frontend/replay.py carries streams over to a restarted engine (the same
+StreamJournal): a request that has streamed nothing yet starts again there; otherwise each open
+sample is resumed alone with the tokens it has streamed (recomputed), n > 1 samples as requests
+of their own with the seed each had after the fork, so greedy and seeded outputs are a fault-free
+run's; samples the caller ended are not resumed. With a factory the dead replica is then replaced
+(frontend/supervisor.py's backoff) and rejoins with an empty cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -28,13 +28,14 @@ from typing import Any
 from raypaged.core.block_hashing import block_hasher, prefix_hash_values
 from raypaged.core.errors import EngineDeadError, InvalidRequestError
 from raypaged.core.outputs import EngineCoreOutput, EngineLoad
-from raypaged.core.request import Request
-from raypaged.core.sample_ids import parse_sample_id
+from raypaged.core.request import ENGINE_FAILED, Request
 from raypaged.core.scheduler import SchedulerStats
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.engine.interface import EngineClient
 from raypaged.frontend.prefix_router import NoReplicaError, PrefixRouter
+from raypaged.frontend.replay import run_journal
 from raypaged.frontend.router_metrics import RouterMetrics, merge_stats
+from raypaged.frontend.stream_journal import StreamJournal, journal_of
 from raypaged.frontend.supervisor import EngineSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class DataParallelEngineClient(EngineClient):
         self._factory = factory
         self._supervisors = [EngineSupervisor(factory, restart_policy or RestartPolicy()) if factory else None
                              for _ in replicas]
+        self._journals: dict[str, StreamJournal] = {}  # by group id: what each stream handed on
         self._owners: dict[str, int] = {}  # group id -> the replica streaming it now
         self._restarts: set[asyncio.Task[None]] = set()
         self._all_dead = asyncio.Event()
@@ -131,65 +133,57 @@ class DataParallelEngineClient(EngineClient):
         """As AsyncEngineClient.generate, on the replica the router picks (and on another when
         that one dies, see the module's docstring)."""
         group_id = request.group_id
-        if group_id in self._owners:
+        if group_id in self._journals:
             raise InvalidRequestError(f"request id {group_id!r} is already in use")
         values = (prefix_hash_values(request.prompt_token_ids, self.block_size, request.cache_salt,
                                      self._hasher) if self.prefix_caching else [])
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        prompt_len = len(request.prompt_token_ids)
-        sent: list[int] = []  # the tokens streamed so far (what an n = 1 continuation resends)
-        current: Request | None = request
+        journal = StreamJournal(request)
+        self._journals[group_id] = journal
         tried: set[int] = set()
         try:
-            while current is not None:
+            while True:
                 try:
                     route = self.router.route(values, frozenset(tried))
                 except NoReplicaError:
                     raise EngineDeadError("every data-parallel replica is gone") from None
                 self._owners[group_id] = route.replica
-                client = self.replicas[route.replica]
                 left_s = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    async with contextlib.aclosing(client.generate(current, left_s)) as outputs:
+                    async with contextlib.aclosing(run_journal(self.replicas[route.replica], journal,
+                                                               left_s)) as outputs:
                         async for out in outputs:
-                            sent += out.new_token_ids
-                            if current is not request:
-                                # A continuation's records count its longer prompt: the caller's.
-                                if out.num_prompt_tokens is not None:
-                                    out.num_prompt_tokens = prompt_len
-                                if out.num_cached_tokens is not None:
-                                    out.num_cached_tokens = min(out.num_cached_tokens, prompt_len)
+                            if out.stop_reason == ENGINE_FAILED and out.error is not None:
+                                raise EngineDeadError(out.error)  # it gave up on its workers
+                            journal.note(out)
                             yield out
                     return
                 except EngineDeadError:
                     # This replica is gone (its pump may notice a moment later than this stream).
                     tried.add(route.replica)
-                    if sent and request.sampling_params.n > 1:
-                        raise
-                    logger.warning("request %r: replica %d died, continuing on another (%d tokens sent)",
-                                   group_id, route.replica, len(sent))
+                    logger.warning("request %r: replica %d died, going on on another (samples %s)",
+                                   group_id, route.replica, journal.open_indices)
                 finally:
                     self.router.finished(route)
-                current = self._continuation(request, sent)
+                for out in journal.ends_owed():  # samples the caller ended as the replica died
+                    journal.note(out)
+                    yield out
+                if journal.complete:
+                    return
         finally:
+            del self._journals[group_id]
             self._owners.pop(group_id, None)
 
-    def _continuation(self, request: Request, sent: list[int]) -> Request | None:
-        if not sent:
-            return dataclasses.replace(request)
-        params = request.sampling_params
-        left = params.max_tokens - len(sent)
-        if left <= 0:
-            return None
-        params = dataclasses.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)))
-        return dataclasses.replace(request, prompt_token_ids=request.prompt_token_ids + sent,
-                                   sampling_params=params)
-
     async def abort(self, request_id: str) -> None:
-        owner, _ = parse_sample_id(request_id)
-        index = self._owners.get(request_id, self._owners.get(owner))
-        if index is not None:
-            await self.replicas[index].abort(request_id)
+        journal = journal_of(self._journals, request_id)
+        if journal is None:
+            return
+        replica = self._owners.get(journal.group_id)
+        for target in journal.abort(request_id):
+            if replica is not None:
+                # A dead replica holds nothing to abort, and the closed samples are not resumed.
+                with contextlib.suppress(Exception):
+                    await self.replicas[replica].abort(target)
 
     async def shutdown(self, timeout_s: float = 60.0) -> None:
         for task in list(self._restarts):

@@ -5,9 +5,11 @@ and shared by the frontend's data-parallel client (frontend/data_parallel.py) an
 request router (serve/prefix_request_router.py).
 
 What the router knows of each replica:
-- the hash values of the full blocks its prefix cache holds: the engine reports every value that
-  enters or leaves its cache (core/block_pool.py's cache events, carried on its outputs), and the
-  router replays them in order. A prompt's values come from core's own chain
+- the hash values of the full blocks its prefix cache holds, per tier: the engine reports every
+  value that enters or leaves its GPU pool's cache and its host tier (core/block_pool.py's cache
+  events, carried on its outputs), and the router replays them in order. A block the GPU pool
+  evicts into the host tier is still held by the replica (a host hit: copied back instead of
+  recomputed); one the host tier drops is gone. A prompt's values come from core's own chain
   (core/block_hashing.py prefix_hash_values), so they mean the same here as in every engine.
   Until its engine reports them, a routed request's prompt blocks count as held by its replica
   (pending, until its stream ends): a burst sharing a new prefix finds it there at once, instead
@@ -18,8 +20,11 @@ What the router knows of each replica:
 
 Policies (`--routing-policy`):
 - prefix: among the replicas whose load is within `balance_abs + balance_rel * min_load` of the
-  least loaded one, the one holding the longest leading run of the prompt's blocks (ties: the
-  less loaded, then the lower index). One hot prefix therefore fills one replica only until it
+  least loaded one, the one holding the most of the prompt's leading blocks (ties: the less
+  loaded, then the lower index). What a replica holds is counted as its engine looks it up: the
+  leading run on the GPU (cached or pending), then the run after it in the host tier, a host
+  block weighing `host_weight` (< 1: it saves the recompute but costs a copy to the GPU, so a
+  GPU hit of the same length wins). One hot prefix therefore fills one replica only until it
   is out of balance; the next request with it lands elsewhere and that replica caches it too. A
   replica at or above `kv_pressure` KV usage is a candidate only when every replica is.
 - p2c: power of two choices, two distinct random live replicas, the less loaded (Serve's default).
@@ -43,16 +48,18 @@ class NoReplicaError(RuntimeError):
 
 @dataclass
 class ReplicaState:
-    cached: set[int] = field(default_factory=set)  # hash values of the blocks its cache holds
+    cached: set[int] = field(default_factory=set)  # hash values of the blocks its GPU cache holds
+    host_cached: set[int] = field(default_factory=set)  # ... and its host tier
     pending: dict[int, int] = field(default_factory=dict)  # value -> in-flight requests bringing it
     alive: bool = True
     in_flight: int = 0  # routed here, stream not ended
     load: EngineLoad | None = None  # the engine's last snapshot
-    # Totals since start (metrics): requests routed here, their full prompt blocks, and how
-    # many of those the router saw cached here when it chose.
+    # Totals since start (metrics): requests routed here, their full prompt blocks, how many
+    # of those the router saw cached here when it chose, and of those how many in the host tier.
     routed: int = 0
     prompt_blocks: int = 0
     matched_blocks: int = 0
+    host_matched_blocks: int = 0
 
     @property
     def load_score(self) -> float:
@@ -67,13 +74,27 @@ class ReplicaState:
 @dataclass(frozen=True)
 class Route:
     replica: int
-    matched_blocks: int  # leading prompt blocks the chosen replica holds, as the router knew it
+    matched_blocks: int  # leading prompt blocks the chosen replica holds (either tier), as the router knew it
     hash_values: tuple[int, ...]  # the prompt's full blocks (pending at the replica until it ends)
+    host_matched_blocks: int = 0  # of matched_blocks, those in its host tier
+
+
+@dataclass(frozen=True)
+class Match:
+    """A replica's leading run of a prompt's blocks, as its engine's lookup would find it."""
+
+    gpu: int  # on the GPU (cached, or pending: routed there, not reported yet)
+    host: int  # after those, in the host tier
+
+    @property
+    def blocks(self) -> int:
+        return self.gpu + self.host
 
 
 class PrefixRouter:
     def __init__(self, num_replicas: int, policy: str = "prefix", *, balance_abs: float = 2.0,
-                 balance_rel: float = 0.2, kv_pressure: float = 0.95, seed: int = 0) -> None:
+                 balance_rel: float = 0.2, kv_pressure: float = 0.95, host_weight: float = 0.5,
+                 seed: int = 0) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if policy not in ROUTING_POLICIES:
@@ -83,19 +104,24 @@ class PrefixRouter:
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.kv_pressure = kv_pressure
+        if not 0.0 <= host_weight <= 1.0:
+            raise ValueError(f"host_weight must be in [0, 1], got {host_weight}")
+        self.host_weight = host_weight
         self._rng = random.Random(seed)
         self._next = 0  # round robin's next replica
 
     # ---- what the replicas report ----------------------------------------------------------------
     def apply_events(self, replica: int, events: list[int]) -> None:
-        """Replay a batch of the replica's cache events, in order."""
-        cached = self.replicas[replica].cached
+        """Replay a batch of the replica's cache events, in order (each tier's set its own)."""
+        state = self.replicas[replica]
+        gpu, host = state.cached, state.host_cached
         for event in events:
-            value, stored = read_event(event)
+            value, stored, in_host = read_event(event)
+            tier = host if in_host else gpu
             if stored:
-                cached.add(value)
+                tier.add(value)
             else:
-                cached.discard(value)
+                tier.discard(value)
 
     def update_load(self, replica: int, load: EngineLoad) -> None:
         self.replicas[replica].load = load
@@ -105,6 +131,7 @@ class PrefixRouter:
         state = self.replicas[replica]
         state.alive, state.load = False, None
         state.cached.clear()
+        state.host_cached.clear()
         state.pending.clear()
 
     def mark_alive(self, replica: int) -> None:
@@ -112,6 +139,7 @@ class PrefixRouter:
         state = self.replicas[replica]
         state.alive, state.load = True, None
         state.cached.clear()
+        state.host_cached.clear()
         state.pending.clear()
         state.in_flight = 0
 
@@ -129,16 +157,31 @@ class PrefixRouter:
                 pending.pop(value, None)
 
     # ---- choosing ----------------------------------------------------------------------------------
-    def matched_blocks(self, replica: int, hash_values: list[int]) -> int:
-        """How many of the prompt's leading blocks the replica holds (a prefix: the first miss ends it)."""
+    def match(self, replica: int, hash_values: list[int]) -> Match:
+        """The replica's leading run of the prompt's blocks: on the GPU (cached or pending), then
+        in the host tier (the first block in neither ends it)."""
         state = self.replicas[replica]
-        cached, pending = state.cached, state.pending
-        count = 0
+        cached, pending, host = state.cached, state.pending, state.host_cached
+        num_gpu = 0
         for value in hash_values:
             if value not in cached and value not in pending:
                 break
-            count += 1
-        return count
+            num_gpu += 1
+        num_host = 0
+        if host:
+            for value in hash_values[num_gpu:]:
+                if value not in host:
+                    break
+                num_host += 1
+        return Match(num_gpu, num_host)
+
+    def matched_blocks(self, replica: int, hash_values: list[int]) -> int:
+        """How many of the prompt's leading blocks the replica holds, either tier (see match)."""
+        return self.match(replica, hash_values).blocks
+
+    def _score(self, replica: int, hash_values: list[int]) -> float:
+        match = self.match(replica, hash_values)
+        return match.gpu + self.host_weight * match.host
 
     def route(self, hash_values: list[int], exclude: frozenset[int] = frozenset()) -> Route:
         """Pick a replica for a prompt whose full blocks have these hash values (leading first)
@@ -150,16 +193,17 @@ class PrefixRouter:
     def record(self, choice: int, hash_values: list[int]) -> Route:
         """Count a request with these prompt blocks as sent to replica `choice` (in flight, its
         blocks pending there) until finished(route)."""
-        matched = self.matched_blocks(choice, hash_values)
+        match = self.match(choice, hash_values)
         state = self.replicas[choice]
         state.in_flight += 1
         state.routed += 1
         state.prompt_blocks += len(hash_values)
-        state.matched_blocks += matched
+        state.matched_blocks += match.blocks
+        state.host_matched_blocks += match.host
         pending = state.pending
         for value in hash_values:
             pending[value] = pending.get(value, 0) + 1
-        return Route(choice, matched, tuple(hash_values))
+        return Route(choice, match.blocks, tuple(hash_values), match.host)
 
     def pick(self, hash_values: list[int], candidates: list[int], policy: str | None = None) -> int:
         """The policy's choice (this router's, or `policy`) among `candidates` (replica
@@ -200,4 +244,4 @@ class PrefixRouter:
         least = min(replicas[i].load_score for i in roomy)
         slack = self.balance_abs + self.balance_rel * least
         balanced = [i for i in roomy if replicas[i].load_score <= least + slack]
-        return min(balanced, key=lambda i: (-self.matched_blocks(i, hash_values), replicas[i].load_score, i))
+        return min(balanced, key=lambda i: (-self._score(i, hash_values), replicas[i].load_score, i))

@@ -31,10 +31,10 @@ from typing import Any
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import ENGINE_FAILED, Request
-from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
+from raypaged.core.sample_ids import sample_request_id
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.engine.interface import EngineClient
-from raypaged.frontend.stream_journal import StreamJournal
+from raypaged.frontend.stream_journal import StreamJournal, journal_of
 
 logger = logging.getLogger(__name__)
 
@@ -100,21 +100,10 @@ class ReplayingEngine(EngineClient):
         return self._lost_at + self.recovery_timeout_s
 
     async def abort(self, request_id: str) -> None:
-        owner, index = parse_sample_id(request_id)
-        journal = self._journals.get(request_id)
-        if journal is None and index is not None:
-            journal = self._journals.get(owner)
+        journal = journal_of(self._journals, request_id)
         if journal is None:
             return
-        if journal.group_id == request_id:
-            # A resumed stream runs its samples as requests named sample_id(group, i).
-            targets = ([sample_id(request_id, i) for i in journal.open_indices] if journal.per_sample
-                       else [request_id])
-            journal.close()
-        else:
-            assert index is not None
-            targets = [request_id]  # the sample of the group, or the resumed request of that name
-            journal.close(index)
+        targets = journal.abort(request_id)
         self._wake()  # a stream waiting for an engine may have nothing left to wait for
         engine = self.current
         for target in targets:
@@ -150,7 +139,7 @@ class ReplayingEngine(EngineClient):
                 try:
                     remaining = (timeout_s if failed is None or deadline is None
                                  else max(deadline - time.monotonic(), 0.0))
-                    async with contextlib.aclosing(self._run(engine, journal, remaining)) as outputs:
+                    async with contextlib.aclosing(run_journal(engine, journal, remaining)) as outputs:
                         async for out in outputs:
                             if out.stop_reason == ENGINE_FAILED and out.error is not None:
                                 raise EngineDeadError(out.error)  # it gave up on its workers
@@ -210,19 +199,23 @@ class ReplayingEngine(EngineClient):
             with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError before 3.11
                 await asyncio.wait_for(changed.wait(), min(until, deadline or until) - now)
 
-    async def _run(self, engine: AsyncEngineClient, journal: StreamJournal,
-                   timeout_s: float | None) -> AsyncGenerator[EngineCoreOutput, None]:
-        """The records of one engine's part of the stream, in the group's numbering."""
-        runs = journal.resumptions()
-        if len(runs) == 1:
-            index, request = runs[0]
-            async with contextlib.aclosing(engine.generate(request, timeout_s)) as outputs:
-                async for out in outputs:
-                    yield out if index is None else _as_sample(out, journal.group_id, index)
-            return
-        async with contextlib.aclosing(_merged(engine, runs, timeout_s)) as merged:
-            async for index, out in merged:
-                yield _as_sample(out, journal.group_id, index)
+
+async def run_journal(engine: AsyncEngineClient, journal: StreamJournal,
+                      timeout_s: float | None) -> AsyncGenerator[EngineCoreOutput, None]:
+    """The records of one engine's part of a journaled stream, in the group's numbering: the
+    request itself while nothing was streamed, else each open sample resumed on its own
+    (StreamJournal.resumptions). The caller notes each record in the journal. Also what a
+    data-parallel stream runs on the replica that takes it over (frontend/data_parallel.py)."""
+    runs = journal.resumptions()
+    if len(runs) == 1:
+        index, request = runs[0]
+        async with contextlib.aclosing(engine.generate(request, timeout_s)) as outputs:
+            async for out in outputs:
+                yield out if index is None else _as_sample(out, journal.group_id, index)
+        return
+    async with contextlib.aclosing(_merged(engine, runs, timeout_s)) as merged:
+        async for index, out in merged:
+            yield _as_sample(out, journal.group_id, index)
 
 
 def _as_sample(out: EngineCoreOutput, group_id: str, index: int) -> EngineCoreOutput:

@@ -41,6 +41,8 @@ class RouterMetrics:
                                   "Full prompt blocks of the requests routed to the replica.")
         self.matched_blocks = make(Counter, "routed_matched_blocks",
                                    "Of those, blocks the router saw cached (or pending) at the replica when it chose.")
+        self.host_matched_blocks = make(Counter, "routed_host_matched_blocks",
+                                        "Of those, blocks it saw in the replica's host tier (not on its GPU).")
         self.prefix_queries = make(Counter, "prefix_cache_queries",
                                    "The replica's prefix cache queries, in prompt tokens.")
         self.prefix_hits = make(Counter, "prefix_cache_hits",
@@ -49,6 +51,8 @@ class RouterMetrics:
         self.alive = make(Gauge, "replica_alive", "1 while the replica's engine is up.")
         self.cached_blocks = make(Gauge, "known_cached_blocks",
                                   "Block hashes the router knows the replica's prefix cache holds.")
+        self.host_cached_blocks = make(Gauge, "known_host_cached_blocks",
+                                       "Block hashes the router knows the replica's host tier holds.")
         self._last: dict[tuple[str, int], int] = {}
 
     def record(self, router: PrefixRouter, stats: dict[int, SchedulerStats]) -> None:
@@ -58,9 +62,12 @@ class RouterMetrics:
             self._add("routed", index, state.routed, self.routed.labels(*values))
             self._add("prompt_blocks", index, state.prompt_blocks, self.prompt_blocks.labels(*values))
             self._add("matched_blocks", index, state.matched_blocks, self.matched_blocks.labels(*values))
+            self._add("host_matched_blocks", index, state.host_matched_blocks,
+                      self.host_matched_blocks.labels(*values))
             self.in_flight.labels(*values).set(state.in_flight)
             self.alive.labels(*values).set(1 if state.alive else 0)
             self.cached_blocks.labels(*values).set(len(state.cached))
+            self.host_cached_blocks.labels(*values).set(len(state.host_cached))
             if index in stats:
                 kv = stats[index].kv_cache
                 self._add("queries", index, kv.prefix_cache_queries, self.prefix_queries.labels(*values))

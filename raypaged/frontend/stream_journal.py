@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
-from raypaged.core.sample_ids import sample_id, sample_request_id
+from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
 
 
 @dataclass
@@ -69,6 +69,21 @@ class StreamJournal:
         for i in range(len(self.samples)) if sample_index is None else (sample_index,):
             self.samples[i].closed = True
 
+    def abort(self, request_id: str) -> list[str]:
+        """The caller aborts `request_id`: the group id (every sample) or "group#i" (sample i).
+        Those samples are closed (not resumed); returns the engine's request ids to abort: a
+        resumed stream runs its samples as requests named sample_id(group, i)."""
+        if request_id == self.group_id:
+            targets = ([sample_id(request_id, i) for i in self.open_indices] if self.per_sample
+                       else [request_id])
+            self.close()
+            return targets
+        group, index = parse_sample_id(request_id)
+        if group != self.group_id or index is None or index >= len(self.samples):
+            return []  # names no sample of this stream: nothing to abort
+        self.close(index)
+        return [request_id]  # the sample of the group, or the resumed request of that name
+
     def ends_owed(self) -> list[EngineCoreOutput]:
         """After the engine was lost: the finishing (abort) record of each sample the caller
         ended whose engine died before sending it, as a live engine would have (every sample
@@ -101,3 +116,14 @@ class StreamJournal:
                        arrival_time=original.arrival_time, priority=original.priority,
                        cache_salt=original.cache_salt, group_id=request_id,
                        resumed_output_token_ids=tuple(sample.tokens))
+
+
+def journal_of(journals: dict[str, StreamJournal], request_id: str) -> StreamJournal | None:
+    """The journal (by group id) of the stream `request_id` names: its group id, or "group#i"
+    for one of its samples; None when no stream in flight has that name."""
+    journal = journals.get(request_id)
+    if journal is None:
+        group, index = parse_sample_id(request_id)
+        if index is not None:
+            journal = journals.get(group)
+    return journal

@@ -8,7 +8,6 @@ up, and no replay at all with recovery_timeout_s 0."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -17,51 +16,7 @@ from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import ENGINE_FAILED, FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.frontend.replay import ReplayingEngine
-
-Script = Callable[[Request], list]
-
-
-class FakeEngine:
-    """generate yields the script's records for the request and raises its exceptions; an
-    EngineDeadError kills the engine there."""
-
-    def __init__(self, script: Script) -> None:
-        self.script = script
-        self.alive = True
-        self.requests: list[Request] = []
-        self.aborts: list[str] = []
-        self.model_info: dict = {}
-        self.load = None
-
-    @property
-    def is_alive(self) -> bool:
-        return self.alive
-
-    async def generate(self, request: Request, timeout_s: float | None = None):
-        self.requests.append(request)
-        for item in self.script(request):
-            await asyncio.sleep(0)
-            if isinstance(item, BaseException):
-                self.alive = self.alive and not isinstance(item, EngineDeadError)
-                raise item
-            yield item
-
-    async def abort(self, request_id: str) -> None:
-        self.aborts.append(request_id)
-
-
-def record(group: str, index: int, tokens: list[int], finish: FinishReason | None = None,
-           cached: int | None = None) -> EngineCoreOutput:
-    return EngineCoreOutput(group, group, index, tokens, finish_reason=finish, num_cached_tokens=cached)
-
-
-def dies_after(*records: EngineCoreOutput) -> Script:
-    return lambda request: [*records, EngineDeadError("the engine is gone: killed")]
-
-
-def finishes(tokens: list[int]) -> Script:
-    """Each request (a resumed sample's too) gets `tokens` and finishes for length."""
-    return lambda request: [record(request.group_id, 0, tokens, FinishReason.LENGTH)]
+from tests.support.scripted_engine import FakeEngine, dies_after, finishes, record
 
 
 async def collect(replay: ReplayingEngine, request: Request,

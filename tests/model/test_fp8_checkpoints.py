@@ -162,14 +162,24 @@ def test_scales_shard_with_rows_of_column_parallel_and_whole_for_row_parallel(tp
 
 
 @pytest.mark.slow  # the interpreter runs the paged kernels too: ~30 s on CI's cores
-def test_fp8_through_the_triton_kernels_matches_the_reference_path():
+def test_fp8_through_the_triton_kernels_matches_the_reference_path(monkeypatch):
     """The Triton backend under the interpreter: decode rows through the skinny GEMM's FP8
-    variant, prefill through the reference GEMM, paged kernels; the same FP8 arithmetic as the
-    torch backend, so the same tokens and logits to fp32 rounding."""
-    from raypaged.kernels import ops
+    variant (weight-only), prefill through the reference GEMM, paged kernels; against the torch
+    backend computing the same arithmetic — W8A8 for prefill, as transformers' FP8 does, and the
+    weight-only reference at a decode step's rows — so the same tokens and logits to fp32 rounding."""
+    from raypaged.kernels import gemv, ops
+    from raypaged.model.quantization.numerics import weight_only_matmul_reference
 
     model = _load(checkpoint_dir("llama"), quantization="fp8")
-    reference_tokens, reference_logits = _run(model)
+    with monkeypatch.context() as patch:
+        def weight_only(x, weight, w_scale, bias):
+            if x.shape[0] > gemv.DEFAULT_ROWS:
+                return None
+            out = weight_only_matmul_reference(x, weight, w_scale)
+            return (out if bias is None else out + bias.float()).to(x.dtype)
+
+        patch.setattr(ops, "linear_fp8", weight_only)
+        reference_tokens, reference_logits = _run(model)
     ops.set_backend("triton")
     try:
         tokens, logits = _run(model)
