@@ -38,7 +38,8 @@ from benchmarks.lib.common import (
     replot,
 )
 from raypaged.kernels import gemv_table
-from raypaged.kernels.gemv import gemv_triton, padded_rows
+from raypaged.kernels.gemv import gemv_triton
+from raypaged.kernels.gemv_config import padded_rows
 
 DTYPE = torch.bfloat16
 
@@ -225,7 +226,7 @@ def fp8_sweep(name: str, n: int, k: int, rows: int, table: Path | None, env: dic
 
 
 def _fp8_row(name: str, n: int, k: int, rows: int) -> dict:
-    from raypaged.kernels.gemv import default_config
+    from raypaged.kernels.gemv_config import default_config
     from raypaged.kernels.gemv_fp8 import gemv_w8a16, w8a16_config
     from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
 

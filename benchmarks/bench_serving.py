@@ -63,7 +63,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_throughput import BenchRequest, sharegpt_requests
 from benchmarks.lib.common import (
     SHAPES,
     device_tag,
@@ -73,26 +72,22 @@ from benchmarks.lib.common import (
     write_json,
 )
 from benchmarks.lib.server_settings import effective_settings
+from benchmarks.lib.sharegpt import BenchRequest, sharegpt_requests
+from benchmarks.lib.synthetic_tokenizer import write_word_level_tokenizer
 from benchmarks.serving_chat import ChatLoad, ChatShape, conversations_at, plan_conversations
 from benchmarks.serving_load import Load, RequestLoad, drive, fresh_prompts, send
+from benchmarks.serving_rate import run_rate
 from benchmarks.serving_report import (
-    KV_GAUGES,
-    host_tier_summary,
-    kv_summary,
     max_rate_meeting,
-    prefix_cache_summary,
     print_host_tier,
     print_rate,
     print_table,
     rate_unit,
-    replica_summary,
     save_plot,
     should_stop,
-    summarize_rate,
 )
-from benchmarks.soak import LaunchedServer, scrape
+from benchmarks.soak import LaunchedServer
 from raypaged.client import Client
-from raypaged.frontend.server import ServerConfig
 
 # Each trace's modes (the first two run by default; multitenant: all four), and the flags that make
 # a server of each (after the user's, so they win). The host-tier modes also get --kv-offload-size.
@@ -143,65 +138,6 @@ def make_load(args: argparse.Namespace, info, seed: int, warm_up_count: int = 0)
     count = max(conversations_at(rate, window_s) for rate in args.rates)
     return ChatLoad(plan_conversations(count, args.chat_shape, cap, seed), args.chat_shape, cap,
                     info.vocab_size, seed, window_s, args.system_prompts)
-
-
-# ---- KV memory from the server's metrics --------------------------------------------------------
-
-async def sample_metrics(metrics_url: str, samples: list[dict], done: asyncio.Event,
-                         interval_s: float = 1.0) -> None:
-    """Scrapes the KV gauges until `done`, once a second (the frontend polls the engine's stats
-    into them once a second: faster only repeats values). The scrape blocks, so it runs in a
-    thread, off the loop that times the streams."""
-    started = time.perf_counter()
-    while not done.is_set():
-        try:
-            metrics = await asyncio.to_thread(scrape, metrics_url)
-        except OSError:  # a failed scrape leaves a gap in the record, nothing more
-            metrics = None
-        if metrics is not None:
-            sample = {"seconds": round(time.perf_counter() - started, 2)}
-            sample.update({name: metrics.get(f"raypaged_{name}") for name in KV_GAUGES})
-            samples.append(sample)
-        try:
-            await asyncio.wait_for(done.wait(), interval_s)
-        except asyncio.TimeoutError:
-            pass
-
-
-# ---- one rate, one mode -------------------------------------------------------------------------
-
-def settled_scrape(metrics_url: str) -> dict[str, float]:
-    """The metrics once the frontend has polled the engine since now: its counters (prefix
-    cache, preemptions) are the engine's totals as of that poll."""
-    time.sleep(ServerConfig.stats_interval_s + 0.5)
-    return scrape(metrics_url)
-
-
-def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argparse.Namespace) -> dict:
-    samples: list[dict] = []
-
-    async def measure():
-        done = asyncio.Event()
-        sampler = asyncio.create_task(sample_metrics(server.metrics_url, samples, done))
-        try:
-            return await load.run(server.address, rate, args.channels)
-        finally:
-            done.set()
-            await sampler
-
-    before = settled_scrape(server.metrics_url)
-    ran = asyncio.run(measure())
-    after = settled_scrape(server.metrics_url)
-    result = summarize_rate(rate, ran.timings, ran.wall_s)
-    result.update(ran.extra)
-    preemptions = "raypaged_num_preemptions_total"
-    result["preemptions"] = after.get(preemptions, 0) - before.get(preemptions, 0)
-    result["prefix_cache"] = prefix_cache_summary(before, after, ran.timings)
-    result["replicas"] = replica_summary(before, after)
-    result["host_tier"] = host_tier_summary(before, after, ran.wall_s)
-    result["kv"] = kv_summary(samples, info.block_size)
-    result["kv_samples"] = samples
-    return result
 
 
 def warm_up(address: str, info, args: argparse.Namespace, count: int = 16) -> None:
@@ -284,25 +220,12 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
 
 # ---- the model ----------------------------------------------------------------------------------
 
-def write_tokenizer(directory: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one token per id of the model's vocabulary: `raypaged launch`
-    needs a tokenizer to detokenize the stream, and a random-weights model dir has none."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1",
-                            eos_token="t2").save_pretrained(directory)
-
-
 def model_launch_args(args: argparse.Namespace, tmp: Path) -> list[str]:
     if args.shape is None:
         return []  # the built-in demo model
     dtype = args.dtype or "bfloat16"
     directory = write_config(args.shape, dtype, tmp)
-    write_tokenizer(directory, SHAPES[args.shape]["vocab_size"])
+    write_word_level_tokenizer(directory, SHAPES[args.shape]["vocab_size"])
     return ["--model", str(directory), "--load-format", "dummy", "--dtype", dtype,
             "--served-model-name", args.shape]
 

@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,93 +42,22 @@ from benchmarks.lib.common import (
     SHAPES,
     device_tag,
     environment,
-    hf_random_model,
     release_memory,
     sync,
     write_config,
     write_json,
 )
+from benchmarks.lib.hf_static import hf_static_batching
+from benchmarks.lib.kv_memory import KVSample, memory_summary, sample_kv
+from benchmarks.lib.sharegpt import BenchRequest, sharegpt_requests
 from raypaged import LLM, SamplingParams
 from raypaged.config.sections import KV_CACHE_DTYPES, kv_cache_value_bytes
 from raypaged.core.request import Request
-from raypaged.simulator.traces import make_trace
 
 MODES = ("paged", "contiguous")
-FIRST_ID = 3  # ids 0-2 are unk / bos / eos in the benchmark configs
 # On the H200 the profiled pool holds ~100 reservations of 8,192 tokens for 1,000 requests: about
 # one per ten requests. The CPU default keeps that regime for its 32 requests: 4 x 2,048 tokens.
 CPU_NUM_KV_BLOCKS = 512
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
-def sharegpt_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
-                      max_total_len: int | None = None) -> list[BenchRequest]:
-    """The simulator's ShareGPT-like trace, its token ids folded into this model's vocabulary.
-    With max_total_len, requests whose prompt + output exceed it are skipped (as vLLM's
-    benchmark_throughput prunes ShareGPT at 2,048) and the trace drawn longer to keep `count`."""
-    drawn = count
-    while True:
-        trace = make_trace("sharegpt", drawn, max_model_len, seed=seed)
-        kept = [r for r in trace.requests
-                if max_total_len is None or r.prompt_len + r.output_len <= max_total_len]
-        if len(kept) >= count:
-            break
-        drawn = drawn * 2
-    span = vocab_size - FIRST_ID
-    return [BenchRequest([FIRST_ID + t % span for t in r.prompt_token_ids], r.output_len)
-            for r in kept[:count]]
-
-
-@dataclass
-class KVSample:
-    seconds: float  # since the requests were submitted
-    step: int
-    running: int
-    waiting: int
-    used_blocks: int
-    allocated_slots: int
-    filled_slots: int
-    shared_saved_slots: int
-
-
-def sample_kv(engine, seconds: float, step: int) -> KVSample:
-    stats = engine.scheduler.stats()
-    kv = stats.kv_cache
-    return KVSample(seconds, step, stats.num_running, stats.num_waiting, kv.num_used_blocks,
-                    kv.allocated_slots, kv.filled_slots, kv.shared_saved_slots)
-
-
-def memory_summary(samples: list[KVSample], pool_slots: int, block_size: int) -> dict:
-    """Averages over the sampled steps (ratios of sums). "While waiting": only the steps where
-    some request waits for memory or a seat, i.e. where the allocator is what limits."""
-
-    def averages(chosen: list[KVSample]) -> dict:
-        if not chosen:
-            return {}
-        allocated = sum(s.allocated_slots for s in chosen)
-        filled = sum(s.filled_slots for s in chosen)
-        running = sum(s.running for s in chosen)
-        pool = pool_slots * len(chosen)
-        return {
-            "steps_sampled": len(chosen),
-            "mean_running": running / len(chosen),
-            "pool_usage": sum(s.used_blocks for s in chosen) * block_size / pool,
-            "pool_token_states": filled / pool,  # the PagedAttention paper's fig. 2 measure
-            "kv_utilization": filled / allocated if allocated else 1.0,  # filled / allocated
-            "waste_share_of_pool": (allocated - filled) / pool,
-            "unfilled_slots_per_running_request": (allocated - filled) / running if running else 0.0,
-            "mean_shared_saved_slots": sum(s.shared_saved_slots for s in chosen) / len(chosen),
-        }
-
-    return {"all_steps": averages(samples),
-            "while_waiting": averages([s for s in samples if s.waiting]),
-            "peak_running": max((s.running for s in samples), default=0),
-            "block_size": block_size}
 
 
 def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device: torch.device) -> dict:
@@ -167,61 +96,6 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
         "num_kv_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
         "memory": memory_summary(samples, engine.num_blocks * block_size, block_size),
         "samples": [asdict(s) for s in samples],
-    }
-
-
-def hf_static_batching(model_dir: Path, requests: list[BenchRequest], batch_size: int,
-                       max_time: float | None, dtype: torch.dtype, device: torch.device) -> dict:
-    """transformers `generate` over consecutive batches, prompts left-padded, each batch running
-    to its longest request's output length. A request's tokens past its own length are padding
-    work and are not counted."""
-    model = hf_random_model(model_dir, dtype, device)
-    pad = 0
-    batches = []
-    with torch.inference_mode():
-        warm = torch.full((2, 8), FIRST_ID, device=device)
-        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4,
-                       do_sample=False, pad_token_id=pad)
-        for first in range(0, len(requests), batch_size):
-            batch = requests[first:first + batch_size]
-            width = max(len(r.prompt_token_ids) for r in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, r in enumerate(batch):
-                ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-                mask[row, width - len(r.prompt_token_ids):] = 1
-            steps_needed = max(r.output_len for r in batch)
-            sync(device)
-            start = time.perf_counter()
-            out = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                 max_new_tokens=steps_needed, do_sample=False, pad_token_id=pad,
-                                 max_time=max_time)
-            sync(device)
-            seconds = time.perf_counter() - start
-            steps_done = out.shape[1] - width
-            batches.append({
-                "requests": len(batch), "prompt_width": width, "steps_needed": steps_needed,
-                "steps_done": steps_done, "seconds": seconds,
-                "output_tokens": sum(min(r.output_len, steps_done) for r in batch),
-                "asked_tokens": sum(r.output_len for r in batch),
-                "computed_rows_x_steps": len(batch) * steps_done,
-            })
-            del out
-    del model
-    release_memory(device)
-    tokens = sum(b["output_tokens"] for b in batches)
-    seconds = sum(b["seconds"] for b in batches)
-    # Finishing a cut batch at its measured step rate: a floor on the time it would take, since
-    # steps slow down as the cache grows. Still favours transformers.
-    full_seconds = sum(b["seconds"] * b["steps_needed"] / max(1, b["steps_done"]) for b in batches)
-    asked = sum(b["asked_tokens"] for b in batches)
-    return {
-        "requests": len(requests), "batch_size": batch_size, "max_time_per_batch_s": max_time,
-        "output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
-        "truncated": any(b["steps_done"] < b["steps_needed"] for b in batches),
-        "projected_uncut_output_tokens_per_s": asked / full_seconds,
-        "padding_share_of_rows": 1 - tokens / max(1, sum(b["computed_rows_x_steps"] for b in batches)),
-        "batches": batches,
     }
 
 

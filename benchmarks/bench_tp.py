@@ -38,7 +38,6 @@ for _key, _value in MULTICAST_OFF.items():
     os.environ.setdefault(_key, _value)
 
 import argparse
-import itertools
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.lib import tp_probes
 from benchmarks.lib.common import (
     SHAPES,
     decode_setup,
@@ -68,106 +68,11 @@ from raypaged import LLM, SamplingParams
 GREEDY_PROMPT_LENS = (7, 19, 45, 100)
 
 
-# ---- In each rank's process (Executor.collective_rpc). Ray ships these by value: they import
-# ---- only torch and raypaged, as the workers cannot import this file's neighbours.
-
-def worker_env(worker, keys: list[str]) -> dict:
-    import torch
-
-    info = {k: os.environ.get(k) for k in keys + ["CUDA_VISIBLE_DEVICES"]}
-    info["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-    if worker.device.type == "cuda":
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    return info
-
-
-def step_collectives(worker, batch: int, iters: int) -> dict:
-    """One decode step's collectives at `batch`, alone, `iters` times: medians in ms."""
-    import statistics
-
-    import torch
-
-    from raypaged.model import layers, parallel
-
-    model, device, dtype = worker.model, worker.device, worker.dtype
-    cuda = device.type == "cuda"
-    reduces = sum(isinstance(m, layers.RowParallelLinear) or type(m) is layers.VocabParallelEmbedding
-                  for m in model.modules())
-    graphs = worker.runner.decode_graphs
-    padded = next(s for s in graphs.sizes if s >= batch) if graphs else batch
-    # Not zeros. Summed in place again and again the values grow, which no collective's time sees.
-    hidden = torch.rand(padded, worker.model_config.hidden_size, dtype=dtype, device=device)
-    logits = torch.rand(batch, model.lm_head.rows, dtype=dtype, device=device)
-    sampled = torch.randint(0, model.lm_head.vocab_size, (batch,), device=device)
-
-    def forward() -> None:
-        for _ in range(reduces):
-            parallel.tp_all_reduce(hidden)
-
-    parts = {"all_reduce": forward, "all_gather": lambda: parallel.tp_all_gather(logits),
-             "broadcast": lambda: worker.config.scheduler.async_scheduling and parallel.tp_broadcast(sampled)}
-    if graphs is not None:
-        from raypaged.worker.cuda_graph import capture_graph
-
-        parts["all_reduce"] = capture_graph(forward)[0].replay
-
-    def mark():
-        if not cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    rows = []
-    for _ in range(iters + 3):  # the first 3 pay first-use costs
-        marks = [mark()]
-        for fn in parts.values():
-            fn()
-            marks.append(mark())
-        rows.append(marks)
-    if cuda:
-        torch.cuda.synchronize()
-    ms = [[a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in itertools.pairwise(m)] for m in rows[3:]]
-    out = {f"{part}_ms": statistics.median(r[i] for r in ms) for i, part in enumerate(parts)}
-    return {**out, "total_ms": statistics.median(sum(r) for r in ms), "all_reduces": reduces,
-            "padded_batch": padded, "cuda_graph": graphs is not None}
-
-
-def profile_start(worker) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    # CUPTI traces the whole process, the compiled graph's thread (which runs the steps) too. On
-    # CPU nothing is seen (CPU ops are traced per thread): there it only tests the plumbing.
-    cuda = [ProfilerActivity.CUDA] if worker.device.type == "cuda" else []
-    worker.bench_tp_profile = profile(activities=[ProfilerActivity.CPU] + cuda)
-    worker.bench_tp_profile.__enter__()
-
-
-def profile_stop(worker, steps: int) -> dict:
-    from collections import defaultdict
-
-    import torch
-
-    prof = worker.__dict__.pop("bench_tp_profile")
-    if worker.device.type == "cuda":
-        torch.cuda.synchronize()  # the step still in flight (async scheduling) ends in the trace
-    prof.__exit__(None, None, None)
-    kernels: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] += event.device_time_total / steps / 1e3
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:8]
-    return {"nccl_ms": sum(t for name, t in kernels.items() if "nccl" in name.lower()),
-            "busy_ms": sum(kernels.values()), "top_kernels_ms": [(n[:80], t) for n, t in top]}
-
-
-# ---- The driver -------------------------------------------------------------------------------
-
 def start_ray(device: torch.device) -> None:
     import ray
 
-    if __name__ != "__main__":  # imported (the tests): the functions above must go by value
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # The rank-side functions go by value: the workers cannot import the benchmarks package.
+    ray.cloudpickle.register_pickle_by_value(tp_probes)
     if not ray.is_initialized():
         ray.init(num_cpus=None if device.type == "cuda" else 4, include_dashboard=False,
                  log_to_driver=False,
@@ -212,10 +117,10 @@ def profiled_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int) -
     ids = start_decoding(engine, batch, context, vocab, steps, "profile")
     for _ in range(3):
         engine.step()
-    engine.executor.collective_rpc(profile_start)
+    engine.executor.collective_rpc(tp_probes.profile_start)
     for _ in range(steps):
         engine.step()
-    ranks = engine.executor.collective_rpc(profile_stop, (steps,))
+    ranks = engine.executor.collective_rpc(tp_probes.profile_stop, (steps,))
     check_batch_kept(engine, batch)
     engine.abort_requests(ids)
     drain(engine)
@@ -241,7 +146,7 @@ def measure(run: dict, args, model_dir: Path, tp: int, dtype_name: str, vocab: i
     try:
         run.update(start_s=time.perf_counter() - start, enforce_eager=eager,
                    num_kv_blocks=llm.engine.num_blocks)
-        run["workers"] = executor.collective_rpc(worker_env, (sorted(MULTICAST_OFF),))
+        run["workers"] = executor.collective_rpc(tp_probes.worker_env, (sorted(MULTICAST_OFF),))
         if device.type == "cuda" and any(w[k] != v for w in run["workers"]
                                          for k, v in MULTICAST_OFF.items()):
             raise RuntimeError(f"NVLink multicast is not off in a worker: {run['workers']}")
@@ -259,7 +164,7 @@ def measure(run: dict, args, model_dir: Path, tp: int, dtype_name: str, vocab: i
             drain(llm.engine)  # the probe must not meet a step in flight
             line = f"[tp {tp}] decode B={batch}: {step_ms:.2f} ms/step"
             if tp > 1:
-                c = executor.collective_rpc(step_collectives, (batch, args.probe_iters))[0]
+                c = executor.collective_rpc(tp_probes.step_collectives, (batch, args.probe_iters))[0]
                 row.update(collectives=c, collectives_share=c["total_ms"] / step_ms,
                            all_reduce_share=c["all_reduce_ms"] / step_ms)
                 line += f", collectives {c['total_ms']:.3f} ms ({row['collectives_share']:.1%})"

@@ -35,7 +35,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from benchmarks.bench_throughput import FIRST_ID
+from benchmarks.lib.sharegpt import FIRST_ID
 from benchmarks.serving_load import Load, LoadResult, drive, poisson_offsets, send
 from benchmarks.serving_report import Timing, distribution
 from raypaged.client import AsyncClient

@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from benchmarks.bench_throughput import FIRST_ID, BenchRequest
+from benchmarks.lib.sharegpt import FIRST_ID, BenchRequest
 from benchmarks.serving_report import Timing
 from raypaged.client import AsyncClient, RequestError
 

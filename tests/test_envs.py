@@ -15,7 +15,7 @@ import torch
 
 from raypaged import envs
 from raypaged.frontend.auth import auth_token_from_env
-from raypaged.kernels import gemv, ops, pdl
+from raypaged.kernels import gemv_config, ops, pdl
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raypaged"
 
@@ -45,10 +45,10 @@ class _NoEnvironment(dict):
 
 def test_the_hot_paths_never_read_the_environment(monkeypatch):
     monkeypatch.setattr(os, "environ", _NoEnvironment())
-    x, weight = torch.zeros(gemv.EPILOGUE_MIN_ROWS, 64), torch.zeros(256, 64)
+    x, weight = torch.zeros(gemv_config.EPILOGUE_MIN_ROWS, 64), torch.zeros(256, 64)
     pdl._enabled.cache_clear()
     assert pdl.pdl_launch(x) == {"USE_PDL": False}
-    gemv.epilogue_config(x, weight, 64, "rope")
+    gemv_config.epilogue_config(x, weight, 64, "rope")
     ops.backend_for(x)
     auth_token_from_env()
 

@@ -11,7 +11,7 @@ import torch
 from raypaged import envs
 from raypaged.cli import build_parser
 from raypaged.config import EngineConfig
-from raypaged.kernels import gemv, gemv_table, pdl
+from raypaged.kernels import gemv_config, gemv_table, pdl
 
 
 def launch_config(flags: list[str]) -> EngineConfig:
@@ -37,7 +37,7 @@ def effective_settings(flags: list[str], on_cuda: bool | None = None) -> dict:
     if on_cuda is None:
         on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     table = gemv_table.table_path(torch.cuda.get_device_name()) if on_cuda else None
-    epilogues = sorted(gemv.allowed_epilogues(envs.RAYPAGED_GEMM_EPILOGUES)) \
+    epilogues = sorted(gemv_config.allowed_epilogues(envs.RAYPAGED_GEMM_EPILOGUES)) \
         if config.kernel.gemm_epilogues else []
     return {
         "engine_config": config.flat(),

@@ -1,9 +1,10 @@
-"""A byte-level BPE tokenizer of any vocabulary size, for random-weights models that need real text.
+"""Tokenizers of any vocabulary size for random-weights models, which have none (and nothing can
+be downloaded).
 
-A random-weights model directory has no tokenizer, and nothing can be downloaded. Benchmarks that
-only detokenize make do with one word per id (bench_serving's); a grammar engine needs more: a
-vocabulary whose tokens are strings, as a real model's are, so that a JSON schema's mask has
-punctuation, digits, quotes and word pieces to choose among. This one has the 256 byte tokens
+Benchmarks that only detokenize make do with one word per id (write_word_level_tokenizer:
+bench_serving's). A grammar engine needs more: a vocabulary whose tokens are strings, as a real
+model's are, so that a JSON schema's mask has punctuation, digits, quotes and word pieces to
+choose among. write_byte_level_tokenizer's has the 256 byte tokens
 (GPT-2's byte-to-unicode alphabet, as Llama 3's and Qwen's vocabularies) and then, up to the size
 asked, pieces drawn reproducibly: JSON punctuation runs, numbers, and letter strings of 2 to 9
 characters with and without a leading space or capital. No merges: encoding gives bytes, and
@@ -76,3 +77,16 @@ def _bytes_to_unicode() -> dict[int, str]:
             codes.append(256 + extra)
             extra += 1
     return {b: chr(c) for b, c in zip(printable, codes)}
+
+
+def write_word_level_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one token per id of the model's vocabulary: `raypaged launch`
+    needs a tokenizer to detokenize the stream, and a random-weights model dir has none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(directory)

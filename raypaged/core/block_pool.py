@@ -19,6 +19,7 @@ from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
 from raypaged.core.block_hashing import ROOT_HASH, BlockHasher, builtin_block_hash
+from raypaged.core.block_pool_base import BlockPoolBase
 from raypaged.core.errors import NoFreeBlocksError
 
 
@@ -99,43 +100,25 @@ class CacheEventLog:
         return events
 
 
-class BlockPool(CacheEventLog):
+class BlockPool(BlockPoolBase, CacheEventLog):
+    """The GPU tier: reference-counted blocks, the free queue, the prefix cache's events."""
+
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        super().__init__(num_blocks)
         self.enable_caching = enable_caching
-        # Read directly by the KV cache manager on its hot path; only this class writes them.
+        # Read directly by the KV cache manager on its hot path; only this class writes it.
         self.ref_cnt: list[int] = [0] * num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # An ordered set: O(1) append, pop-oldest and removal from the middle (a prefix hit on a
         # free cached block takes it out of the queue).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # hash_value -> the block caching it. Keyed by the int, not the BlockHash: a dict
-        # operation then calls no Python-level __hash__ (a block fills every step somewhere).
-        self._cached: dict[int, int] = {}
         # Cache events since the last take_events (stored_event / removed_event, in order), while
         # record_events() is on: what a data-parallel router learns this pool's contents from.
         self.events: list[int] | None = None
 
-    # ---- queries ---------------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
+    # ---- queries (the rest: BlockPoolBase) -------------------------------------------------------
     def free_block_ids(self) -> list[int]:
         """The free queue, next to be reused first."""
         return list(self._free)
-
-    def get_cached_block(self, block_hash: BlockHash) -> int | None:
-        block_id = self._cached.get(block_hash.hash_value)
-        if block_id is None or self.block_hash[block_id] != block_hash:
-            return None  # not cached, or only a block whose contents collide in hash_value
-        return block_id
 
     # ---- allocation ------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[int]:
@@ -218,8 +201,7 @@ class BlockPool(CacheEventLog):
             return False
         if self.events is not None:
             self.events += [removed_event(value) for value in self._cached]
-        self._cached.clear()
-        self.block_hash[:] = [None] * self.num_blocks  # in place: the manager holds this list
+        self._forget_cached()
         return True
 
     # ---- helpers ---------------------------------------------------------------------------------

@@ -20,36 +20,18 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from raypaged.core.block_pool import BlockHash, CacheEventLog, removed_event, stored_event
+from raypaged.core.block_pool_base import BlockPoolBase
 
 
-class HostBlockPool(CacheEventLog):
+class HostBlockPool(BlockPoolBase, CacheEventLog):
+    """The host tier: pinned or least-recently-used cached blocks, and a stack of free ones."""
+
     def __init__(self, num_blocks: int) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        super().__init__(num_blocks)
         self.pin_cnt: list[int] = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 first
         # Cached, unpinned blocks, least recently used first: the eviction order.
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[int, int] = {}  # hash_value -> the host block caching it
-
-    # ---- queries ---------------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    def lookup(self, block_hash: BlockHash) -> int | None:
-        """The host block caching exactly these contents (whole hash, tokens and extra keys
-        compared: a collision of hash values never matches), or None."""
-        host_id = self._cached.get(block_hash.hash_value)
-        if host_id is None or self.block_hash[host_id] != block_hash:
-            return None
-        return host_id
 
     # ---- storing ---------------------------------------------------------------------------------
     def store(self, block_hash: BlockHash) -> tuple[int, bool] | None:
@@ -109,11 +91,10 @@ class HostBlockPool(CacheEventLog):
         """Forget every block (the workers' host pools were replaced): all free, none pinned."""
         if self.events is not None:
             self.events += [removed_event(value, host=True) for value in self._cached]
-        self.block_hash[:] = [None] * self.num_blocks
+        self._forget_cached()
         self.pin_cnt[:] = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._lru.clear()
-        self._cached.clear()
 
     # ---- checks (tests) --------------------------------------------------------------------------
     def check(self) -> None:

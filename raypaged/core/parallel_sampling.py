@@ -4,7 +4,7 @@ A request with SamplingParams.n = n is scheduled alone until its prompt is compu
 that completes it samples n tokens. Token 0 stays with the request (sample 0, whose id is the
 group id); each token i > 0 starts sample i, a request of its own (id "group#i", built by
 core/sample_ids.py) that shares the parent's K/V. The scheduler decides where each new sample
-runs (see Scheduler._fork); this module only builds them.
+runs (forking.py); this module only builds them.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class TieredKVCacheManager(KVCacheManager):
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestBlocks(request)
-        hashes, lookup = state.block_hashes, self.host_pool.lookup
+        hashes, lookup = state.block_hashes, self.host_pool.get_cached_block
         hits: list[int] = []
         for i in range(first, max_hit_blocks):
             if i >= len(hashes):

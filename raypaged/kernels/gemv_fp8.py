@@ -28,16 +28,8 @@ import triton
 import triton.language as tl
 
 from . import gemv_table
-from .gemv import (
-    DEFAULT_ROWS,
-    MAX_ROWS,
-    _launch,
-    default_config,
-    epilogue_allowed,
-    launch_rope,
-    launch_silu_mul,
-    padded_rows,
-)
+from .gemv import _launch, launch_rope, launch_silu_mul
+from .gemv_config import DEFAULT_ROWS, MAX_ROWS, default_config, epilogue_allowed, padded_rows
 from .pdl import let_dependents_launch, pdl_launch, wait_for_inputs
 from .triton_common import device_properties
 
@@ -86,7 +78,7 @@ def w8a16_epilogue_config(x: torch.Tensor, weight: torch.Tensor, group: int, nam
     the separate kernel.
 
     For every step the weight-only kernel takes (w8a16_config: up to DEFAULT_ROWS rows) where the
-    epilogue is allowed (gemv.set_epilogues, RAYPAGED_GEMM_EPILOGUES). bf16's epilogues start at
+    epilogue is allowed (gemv_config.set_epilogues, RAYPAGED_GEMM_EPILOGUES). bf16's epilogues start at
     EPILOGUE_MIN_ROWS rows, where this kernel no longer runs; under 17 rows the bf16 step measured
     the same with or without them, and an FP8 weight's GEMM is shorter, so the launch and the
     round trip the epilogue saves weigh more. Not where the device's table chose the one-row

@@ -51,11 +51,12 @@ def backend_for(tensor: torch.Tensor) -> str:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ (+ b). A small decode batch on the Triton backend takes the skinny GEMM where it
-    reads the weights closer to the bandwidth than cuBLAS (gemv.launch_config: up to 16 rows, or up to
-    64 where the device's tuned table says so; benchmarks/bench_gemv.py); anything else is
-    F.linear."""
+    reads the weights closer to the bandwidth than cuBLAS (gemv_config.launch_config: up to 16
+    rows, or up to 64 where the device's tuned table says so; benchmarks/bench_gemv.py); anything
+    else is F.linear."""
     if _skinny_gemm_may_take(x):
-        from .gemv import gemv_triton, launch_config
+        from .gemv import gemv_triton
+        from .gemv_config import launch_config
 
         config = launch_config(x, weight)
         if config is not None:
@@ -122,7 +123,8 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     runs `linear` and its rope."""
     if not _skinny_gemm_may_take(x):
         return None
-    from .gemv import epilogue_config, gemv_rope
+    from .gemv import gemv_rope
+    from .gemv_config import epilogue_config
 
     config = epilogue_config(x, weight, head_dim // 2, "rope")
     return None if config is None else gemv_rope(x, weight, bias, cos, sin, head_dim,
@@ -135,7 +137,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     or None where that kernel does not take the product (then: `linear` and the activation)."""
     if not _skinny_gemm_may_take(x):
         return None
-    from .gemv import epilogue_config, gemv_silu_mul
+    from .gemv import gemv_silu_mul
+    from .gemv_config import epilogue_config
 
     config = epilogue_config(x, weight, weight.shape[0] // 2, "silu")
     return None if config is None else gemv_silu_mul(x, weight, bias, config)

@@ -21,6 +21,7 @@ import logging
 import pickle
 from typing import Any
 
+from ray.serve._private.common import gRPCRequest  # what Serve's gRPC proxy sends a replica
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from raypaged.core.block_hashing import block_hasher, prefix_hash_values
@@ -61,7 +62,7 @@ def generate_request_of(pending: PendingRequest) -> pb.GenerateRequest | None:
                 arg = _ServeRequestUnpickler(io.BytesIO(arg)).load()
             except Exception:  # noqa: BLE001 - not the proxy's: placed by load
                 continue
-        message = getattr(arg, "user_request_proto", arg)  # Serve's gRPCRequest wraps it
+        message = arg.user_request_proto if isinstance(arg, gRPCRequest) else arg
         if isinstance(message, pb.GenerateRequest):
             return message
     return None

@@ -19,7 +19,7 @@ from raypaged.core.outputs import ModelRunnerOutput
 from raypaged.core.request import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
-    from raypaged.worker.model_runner import CachedRequestState
+    from raypaged.worker.request_state import CachedRequestState
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 One step: drop finished requests → add new ones → apply the cached requests' diffs → the host
 tier's offloads and loads (worker/kv_offload.py) → copy-on-write block copies → build input ids,
-positions, slot mapping, block tables and sequence lengths → forward (each attention layer writes
-K/V by slot mapping, then reads the pool through the block tables) → logits of the requests that
-reached their last token → sample.
+positions, slot mapping, block tables and sequence lengths (worker/step_inputs.py) → forward
+(each attention layer writes K/V by slot mapping, then reads the pool through the block tables)
+→ logits of the requests that reached their last token → sample.
 
 Asynchronous scheduling (async_output): each call answers the *previous* step, so the host work of
 step N+1 (this diff, inputs, launches) overlaps the GPU running step N. A call launches its step's
@@ -18,17 +18,13 @@ sampling; the next call brings the masks and samples it first, before anything o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
-from raypaged.core.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from raypaged.core.request import PLACEHOLDER_TOKEN_ID
-from raypaged.core.sampling_params import SamplingParams
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.kernels import ops
-from raypaged.model.attention import AttentionMetadata
 from raypaged.model.parallel import get_tp_size, tp_broadcast
 from raypaged.structured.bitmask import apply_grammar_bitmask
 from raypaged.worker.async_output import InFlightTokens, add_sampled_tokens
@@ -38,47 +34,13 @@ from raypaged.worker.kv_layout import unique_caches
 from raypaged.worker.kv_offload import HostKVCache
 from raypaged.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from raypaged.worker.prompt_logprobs import score_prompts
+from raypaged.worker.request_state import CachedRequestState
 from raypaged.worker.sampler import Sampler, SamplingMetadata
 from raypaged.worker.sampling_metadata import needs_token_history
+from raypaged.worker.step_inputs import StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
     from raypaged.model.llama import LlamaForCausalLM
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + outputs the worker has been told of, by position
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    row: int  # its row in the BlockTable
-    num_computed_tokens: int
-    eos_token_id: int | None = None
-
-    def min_tokens_stop_ids(self) -> list[int]:
-        """Token ids it may not sample yet: EOS and stop ids until min_tokens are out (as vLLM
-        and transformers' MinNewTokensLengthLogitsProcessor do)."""
-        params = self.sampling_params
-        if len(self.token_ids) - self.num_prompt_tokens >= params.min_tokens:
-            return []
-        eos = [] if self.eos_token_id is None or params.ignore_eos else [self.eos_token_id]
-        return list(params.stop_token_ids) + eos
-
-
-@dataclass
-class StepInputs:
-    states: list[CachedRequestState]  # in step order: decodes first
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    sample_rows: torch.Tensor | None  # rows of the hidden states to sample; None: every row
-    row_states: list[CachedRequestState]  # per sampled row
-    sample_indices: list[int]  # per sampled row: which of the request's n samples
-    # Asynchronous scheduling: (index in input_ids, request id) of each placeholder input.
-    placeholders: list[tuple[int, str]]
-    counts: list[int]  # tokens of each of `states` in the step
-    # Set after the forward: the prompt positions this step scored (worker/prompt_logprobs.py).
-    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
 
 
 class ModelRunner:
@@ -193,91 +155,9 @@ class ModelRunner:
 
     # ---- building the step's inputs ------------------------------------------------------------
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        # Single-token requests first: the decode kernel takes them, paged prefill the rest.
-        scheduled = sorted(out.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
-        requests = self.requests
-        states = [requests[req_id] for req_id, _ in scheduled]
-        counts = [n for _, n in scheduled]
-        num_decodes = next((i for i, n in enumerate(counts) if n != 1), len(counts))
-
-        input_ids: list[int] = []
-        starts: list[int] = []
-        # Requests whose step reaches their last known token produce a sample; a prefill chunk
-        # that stops short of it does not.
-        sample_rows: list[int] = []  # index into the step's tokens of each sampled row's last token
-        row_states: list[CachedRequestState] = []
-        sample_indices: list[int] = []
-        placeholders: list[tuple[int, str]] = []
-        cursor = 0
-        for state, n in zip(states, counts):
-            start = state.num_computed_tokens
-            tokens = state.token_ids
-            if n == 1:
-                token = tokens[start]
-                if token == PLACEHOLDER_TOKEN_ID:
-                    placeholders.append((cursor, state.req_id))
-                input_ids.append(token)
-            else:
-                input_ids.extend(tokens[start : start + n])
-            starts.append(start)
-            cursor += n
-            if start + n < len(tokens):
-                continue
-            # n > 1 samples are drawn from the prompt's logits once, then the request forks.
-            fan_out = state.sampling_params.n if len(tokens) == state.num_prompt_tokens else 1
-            for index in range(fan_out):
-                sample_rows.append(cursor - 1)
-                row_states.append(state)
-                sample_indices.append(index)
-        num_tokens = len(input_ids)
-        query_lens = np.array(counts, dtype=np.int64)
-        query_start_loc = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        seq_lens = np.array(starts, dtype=np.int64) + query_lens
-        # Each token's position: its request's start plus its index within this step's chunk.
-        # Tables and slots per KV-cache group: [groups, S, width] and [groups, T].
-        block_tables = self.block_table.gather(np.array([s.row for s in states]))
-        if num_decodes == len(counts):
-            positions = seq_lens - 1
-            req_of_token = np.arange(num_tokens)
-        else:
-            positions = (np.arange(num_tokens)
-                         + np.repeat(np.array(starts) - query_start_loc[:-1], query_lens))
-            req_of_token = np.repeat(np.arange(len(counts)), query_lens)
-        # Contiguous per group (fancy indexing may leave the group axis innermost): the kernels
-        # step along a row by one element.
-        block_tables = np.ascontiguousarray(block_tables)
-        slot_mapping = np.ascontiguousarray(
-            block_tables[:, req_of_token, positions // self.block_size].astype(np.int64)
-            * self.block_size + positions % self.block_size)
-        # Every row sampled once, in order (a plain decode step): no gather of the hidden states.
-        # Not just as many samples as rows: a 2-token last chunk of an n = 2 prompt beside decodes
-        # also has one sample a row, both from its last row.
-        all_rows = sample_rows == list(range(num_tokens))
-        # One small copy per array. Packing them into one pinned buffer was measured slower on
-        # the H200 (benchmarks/bench_staging.py: 149 vs 81 us a step at batch 1).
-        dev = self.device
-        ids_t = _to_device(np.array(input_ids, dtype=np.int64), dev)
-        if placeholders:
-            self.in_flight.fill_placeholders(ids_t, placeholders)
-        rows_t = None if all_rows else _to_device(np.array(sample_rows, dtype=np.int64), dev)
-        group_tables = group_slots = None
-        if self.layer_groups:
-            group_tables, group_slots = _to_device(block_tables, dev), _to_device(slot_mapping, dev)
-        metadata = AttentionMetadata(
-            slot_mapping=group_slots[0] if group_slots is not None else _to_device(slot_mapping[0], dev),
-            block_tables=group_tables[0] if group_tables is not None else _to_device(block_tables[0], dev),
-            seq_lens=_to_device(seq_lens.astype(np.int32), dev),
-            query_start_loc=_to_device(query_start_loc.astype(np.int32), dev),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            max_query_len=max(counts),
-            group_block_tables=group_tables,
-            group_slot_mappings=group_slots,
-            layer_groups=self.layer_groups,
-        )
-        return StepInputs(states, ids_t, _to_device(positions, dev), metadata, rows_t,
-                          row_states, sample_indices, placeholders, counts)
+        """The step's inputs (worker/step_inputs.py), over the requests after this step's diff."""
+        return build_step_inputs(out, self.requests, self.block_table, self.block_size,
+                                 self.layer_groups, self.in_flight, self.device)
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -407,8 +287,3 @@ class ModelRunner:
         if answer is None and self.is_driver:
             return ModelRunnerOutput()
         return answer
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

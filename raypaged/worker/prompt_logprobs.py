@@ -22,7 +22,7 @@ import torch
 from raypaged.core.outputs import Logprobs
 
 if TYPE_CHECKING:
-    from raypaged.worker.model_runner import CachedRequestState
+    from raypaged.worker.request_state import CachedRequestState
 
 
 SCORE_ROWS = 1024  # prompt positions scored at once: 1024 x 128k float32 logits is 0.5 GiB

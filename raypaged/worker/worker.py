@@ -12,7 +12,7 @@ import torch.distributed as dist
 from raypaged.config import EngineConfig, KernelSettings
 from raypaged.config.sections import CPU_KV_CACHE_BYTES
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.kernels import gemv, ops, pdl
+from raypaged.kernels import gemv_config, ops, pdl
 from raypaged.kernels.kv_quant import check_kv_cache_device, resolve_kv_cache_dtype
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig
@@ -39,7 +39,7 @@ def apply_kernel_settings(settings: KernelSettings) -> None:
     reference on CPU."""
     ops.set_backend(settings.attention_backend or "auto")
     pdl.set_enabled(settings.pdl)
-    gemv.set_epilogues(settings.gemm_epilogues)
+    gemv_config.set_epilogues(settings.gemm_epilogues)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import bench_serving
 from benchmarks.bench_serving import trace_requests
-from benchmarks.bench_throughput import FIRST_ID
+from benchmarks.lib.sharegpt import FIRST_ID
 from benchmarks.serving_chat import ChatShape, Conversation, plan_conversations
 from benchmarks.serving_load import fresh_prompts, poisson_offsets, send
 from benchmarks.serving_report import (

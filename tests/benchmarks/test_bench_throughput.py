@@ -9,14 +9,10 @@ import json
 import pytest
 import torch
 
-from benchmarks.bench_throughput import (
-    BenchRequest,
-    KVSample,
-    hf_static_batching,
-    memory_summary,
-    run_engine,
-    sharegpt_requests,
-)
+from benchmarks.bench_throughput import run_engine
+from benchmarks.lib.hf_static import hf_static_batching
+from benchmarks.lib.kv_memory import KVSample, memory_summary
+from benchmarks.lib.sharegpt import BenchRequest, sharegpt_requests
 from raypaged import LLM
 from tests.support.checkpoints import checkpoint_dir
 from tests.support.hf_oracle import random_prompts

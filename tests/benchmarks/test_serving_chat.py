@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from benchmarks.bench_throughput import FIRST_ID
+from benchmarks.lib.sharegpt import FIRST_ID
 from benchmarks.serving_chat import (
     ChatShape,
     Conversation,

@@ -52,7 +52,7 @@ def test_host_pool_stores_once_per_hash_and_evicts_lru_unpinned():
     pool.unpin([1])
     pool.touch(0)  # a hit: a is now the most recent, b is evicted first
     assert pool.store(c) == (1, True)
-    assert pool.lookup(b) is None and pool.lookup(a) == 0 and pool.lookup(c) == 1
+    assert pool.get_cached_block(b) is None and pool.get_cached_block(a) == 0 and pool.get_cached_block(c) == 1
     pool.check()
     pool.pin(0)  # a pinned too (c still is, by its store): nothing can be evicted
     assert pool.store(h([4])) is None
@@ -64,9 +64,9 @@ def test_host_pool_stores_once_per_hash_and_evicts_lru_unpinned():
 def test_host_lookup_compares_the_whole_hash():
     pool = HostBlockPool(2)
     pool.store(h([1, 2], salt="tenant-a"))
-    assert pool.lookup(h([1, 2], salt="tenant-b")) is None
-    assert pool.lookup(h([1, 2])) is None
-    assert pool.lookup(h([1, 2], salt="tenant-a")) == 0
+    assert pool.get_cached_block(h([1, 2], salt="tenant-b")) is None
+    assert pool.get_cached_block(h([1, 2])) is None
+    assert pool.get_cached_block(h([1, 2], salt="tenant-a")) == 0
 
 
 def test_unpinning_an_unpinned_block_is_an_error():

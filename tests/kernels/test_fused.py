@@ -152,12 +152,12 @@ def test_model_through_fused_kernels_matches_transformers(triton_path):
 def test_model_through_gemm_epilogues_matches_transformers(name, triton_path, monkeypatch):
     # The decode path of a GPU: the linears on the skinny GEMM, rope and SwiGLU in its epilogues
     # (qkv bias, llama3 frequencies, one KV head, tied embeddings with MLP biases).
-    from raypaged.kernels import gemv
+    from raypaged.kernels import gemv, gemv_config
 
     # Every step fuses, with the default config as if a tuned table had it (the CPU has none).
-    monkeypatch.setattr(gemv, "EPILOGUE_MIN_ROWS", 1)
-    monkeypatch.setattr(gemv, "_tuned", lambda x, w: {"backend": "cublas",
-                                                       "config": gemv._default_for(x, w)})
+    monkeypatch.setattr(gemv_config, "EPILOGUE_MIN_ROWS", 1)
+    monkeypatch.setattr(gemv_config, "tuned_entry", lambda x, w: {"backend": "cublas",
+                                                                   "config": gemv_config.default_for(x, w)})
     calls = {"gemv_rope": 0, "gemv_silu_mul": 0}
     for fn in calls:
         original = getattr(gemv, fn)

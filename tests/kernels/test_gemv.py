@@ -15,17 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from raypaged import envs
-from raypaged.kernels import gemv, gemv_table
+from raypaged.kernels import gemv, gemv_config, gemv_table
 from raypaged.kernels.activation import silu_and_mul_triton
-from raypaged.kernels.gemv import (
-    MAX_ROWS,
-    default_config,
-    epilogue_config,
-    gemv_rope,
-    gemv_silu_mul,
-    gemv_triton,
-    supports,
-)
+from raypaged.kernels.gemv import gemv_rope, gemv_silu_mul, gemv_triton
+from raypaged.kernels.gemv_config import MAX_ROWS, default_config, epilogue_config, supports
 from raypaged.kernels.rope import rope_in_place_triton, rope_tables_triton
 
 
@@ -70,7 +63,7 @@ def test_default_config():
         for element_size in (2, 4):
             for rows in (1, 16, 64):
                 config = default_config(4096, 14336, element_size, shared_memory, rows)
-                stage = (config["block_n"] + gemv.padded_rows(rows)) * config["block_k"] * element_size
+                stage = (config["block_n"] + gemv_config.padded_rows(rows)) * config["block_k"] * element_size
                 assert config["num_stages"] * stage <= shared_memory - 8 * 1024
 
 
@@ -93,16 +86,16 @@ def test_split_k_is_deterministic_and_leaves_the_counters_at_zero():
 def test_launch_config_follows_the_tuned_table(monkeypatch):
     weight = torch.zeros(128, 64)
     entries = {}
-    monkeypatch.setattr(gemv, "_tuned", lambda x, w: entries.get(gemv.padded_rows(x.shape[0])))
-    assert gemv.launch_config(torch.zeros(gemv.DEFAULT_ROWS, 64), weight) == default_config(
-        128, 64, 4, rows=gemv.DEFAULT_ROWS)
-    assert gemv.launch_config(torch.zeros(gemv.DEFAULT_ROWS + 1, 64), weight) is None  # cuBLAS
+    monkeypatch.setattr(gemv_config, "tuned_entry", lambda x, w: entries.get(gemv_config.padded_rows(x.shape[0])))
+    assert gemv_config.launch_config(torch.zeros(gemv_config.DEFAULT_ROWS, 64), weight) == default_config(
+        128, 64, 4, rows=gemv_config.DEFAULT_ROWS)
+    assert gemv_config.launch_config(torch.zeros(gemv_config.DEFAULT_ROWS + 1, 64), weight) is None  # cuBLAS
     tuned = {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "split_k": 2}
     entries[64] = {"backend": "triton", "config": tuned}
     entries[16] = {"backend": "cublas", "config": {}}
-    assert gemv.launch_config(torch.zeros(40, 64), weight) == tuned
-    assert gemv.launch_config(torch.zeros(4, 64), weight) is None
-    assert gemv.launch_config(torch.zeros(MAX_ROWS + 1, 64), weight) is None
+    assert gemv_config.launch_config(torch.zeros(40, 64), weight) == tuned
+    assert gemv_config.launch_config(torch.zeros(4, 64), weight) is None
+    assert gemv_config.launch_config(torch.zeros(MAX_ROWS + 1, 64), weight) is None
 
 
 def test_table_records_and_looks_up(tmp_path):
@@ -201,13 +194,13 @@ def test_silu_epilogue_is_the_gemm_then_silu_and_mul(dtype, rows, block_n, split
 
 def test_epilogue_config_pairs_features_or_declines(monkeypatch):
     weight = torch.zeros(256, 64)
-    rows = gemv.EPILOGUE_MIN_ROWS
-    monkeypatch.setattr(gemv, "_tuned", lambda x, w: None)
+    rows = gemv_config.EPILOGUE_MIN_ROWS
+    monkeypatch.setattr(gemv_config, "tuned_entry", lambda x, w: None)
     assert epilogue_config(torch.zeros(rows, 64), weight, 64, "rope") is None  # not measured here
     # where the table chose cuBLAS for the plain product the fused one still takes its config
     tuned = {"block_n": 128, "block_k": 32, "num_warps": 4, "num_stages": 2, "split_k": 2}
-    monkeypatch.setattr(gemv, "_tuned", lambda x, w: {"backend": "cublas", "config": tuned})
-    assert gemv.launch_config(torch.zeros(rows, 64), weight) is None
+    monkeypatch.setattr(gemv_config, "tuned_entry", lambda x, w: {"backend": "cublas", "config": tuned})
+    assert gemv_config.launch_config(torch.zeros(rows, 64), weight) is None
     assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") == tuned
     assert epilogue_config(torch.zeros(rows, 64), weight, 16, "rope") == dict(tuned, block_n=32)
     assert epilogue_config(torch.zeros(rows, 64), weight, 8, "rope") == dict(tuned, block_n=16)
@@ -216,19 +209,19 @@ def test_epilogue_config_pairs_features_or_declines(monkeypatch):
     assert epilogue_config(torch.zeros(MAX_ROWS + 1, 64), weight, 64, "silu") is None
     monkeypatch.setattr(envs, "RAYPAGED_GEMM_EPILOGUES", "silu")
     try:
-        gemv.set_epilogues(True)
+        gemv_config.set_epilogues(True)
         assert epilogue_config(torch.zeros(rows, 64), weight, 64, "rope") is None
         assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") == tuned
-        gemv.set_epilogues(False)  # KernelSettings.gemm_epilogues
+        gemv_config.set_epilogues(False)  # KernelSettings.gemm_epilogues
         assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") is None
         monkeypatch.setattr(envs, "RAYPAGED_GEMM_EPILOGUES", "0")
-        gemv.set_epilogues(True)
+        gemv_config.set_epilogues(True)
         assert epilogue_config(torch.zeros(rows, 64), weight, 64, "silu") is None
     finally:
         monkeypatch.undo()
-        gemv.set_epilogues(True)
-    assert gemv.allowed_epilogues("rope, silu") == {"rope", "silu"}
-    assert gemv.allowed_epilogues("") == gemv.allowed_epilogues("0") == frozenset()
+        gemv_config.set_epilogues(True)
+    assert gemv_config.allowed_epilogues("rope, silu") == {"rope", "silu"}
+    assert gemv_config.allowed_epilogues("") == gemv_config.allowed_epilogues("0") == frozenset()
 
 
 def test_the_swiglu_epilogue_lets_the_down_projection_launch_at_its_end():

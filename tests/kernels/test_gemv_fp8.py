@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypaged.kernels import gemv, gemv_fp8, ops
-from raypaged.kernels.gemv import default_config
+from raypaged.kernels import gemv_config, gemv_fp8, ops
+from raypaged.kernels.gemv_config import default_config
 from raypaged.kernels.gemv_fp8 import (
     gemv_w8a16,
     gemv_w8a16_rope,
@@ -124,11 +124,11 @@ def test_epilogue_config_takes_the_weight_only_steps_and_pairs_features():
     assert w8a16_epilogue_config(torch.zeros(1, 64), wq, 4, "rope") is None  # no block of >= 16 pairs it
     assert w8a16_epilogue_config(torch.zeros(17, 64), wq, 96, "silu") is None  # past the kernel's rows
     assert w8a16_epilogue_config(torch.zeros(1, 64, dtype=torch.float64), wq, 96, "silu") is None
-    gemv.set_epilogues(False)
+    gemv_config.set_epilogues(False)
     try:
         assert w8a16_epilogue_config(torch.zeros(1, 64), wq, 96, "silu") is None
     finally:
-        gemv.set_epilogues(True)
+        gemv_config.set_epilogues(True)
 
 
 def test_epilogue_config_declines_where_the_table_chose_the_one_row_kernel(monkeypatch):
@@ -197,13 +197,13 @@ def test_fp8_decoder_takes_the_fused_epilogues_and_matches_the_separate_kernels(
         monkeypatch.setattr(gemv_fp8, fused.__name__, counted)
     ops.set_backend("triton")
     try:
-        gemv.set_epilogues(False)
+        gemv_config.set_epilogues(False)
         separate_tokens, separate_logits = _run(model)
         assert calls == {"rope": 0, "silu": 0}
-        gemv.set_epilogues(True)
+        gemv_config.set_epilogues(True)
         tokens, logits = _run(model)
     finally:
-        gemv.set_epilogues(True)
+        gemv_config.set_epilogues(True)
         ops.set_backend("auto")
     assert calls["rope"] > 0 and calls["silu"] > 0
     assert tokens == separate_tokens

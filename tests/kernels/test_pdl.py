@@ -15,7 +15,8 @@ import torch
 
 from raypaged import envs
 from raypaged.kernels import gemv, pdl
-from raypaged.kernels.gemv import default_config, gemv_rope, gemv_silu_mul, gemv_triton
+from raypaged.kernels.gemv import gemv_rope, gemv_silu_mul, gemv_triton
+from raypaged.kernels.gemv_config import default_config
 from raypaged.kernels.ops import add_rms_norm, rope_in_place, rope_tables, silu_and_mul
 from raypaged.kernels.paged_decode import paged_decode_triton
 from raypaged.kernels.testing import random_paged_batch

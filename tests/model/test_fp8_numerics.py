@@ -153,7 +153,7 @@ def test_scaled_mm_matches_the_reference(rows, activation):
 def test_skinny_fp8_gemm_computes_the_weight_only_product(rows, overrides):
     """kernels/gemv_fp8.py (interpreter here; the GPU suite runs it too) against the reference:
     the rows unquantized, the e4m3 weight widened, fp32 sums scaled per feature, bias added."""
-    from raypaged.kernels.gemv import default_config
+    from raypaged.kernels.gemv_config import default_config
     from raypaged.kernels.gemv_fp8 import gemv_w8a16
 
     g = torch.Generator().manual_seed(rows)
