@@ -6,7 +6,8 @@ per node), to lose a node while an engine serves: tests/reliability/test_node_lo
     node = cluster.add_node(num_cpus=1)           # a node a TP group can go to
     ...start a server or an LLM: its workers' placement group lands on that node...
     where = engine_nodes(engine_client.actor)     # the engine's and its workers' nodes
-    cluster.lose_node(where.workers[0], replacement={"num_cpus": 1})   # a node lost, one added
+    spare = cluster.add_node(num_cpus=1)          # where the lost node's work can go
+    cluster.lose_node(where.workers[0])           # killed; returns once the GCS knows
     cluster.shutdown()
 
 A lost node is killed, not drained (its raylet and every process on it, at once). The GCS declares
@@ -50,20 +51,18 @@ class NodeCluster:
     def alive(self, node_id: str) -> bool:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
-    def lose_node(self, node_id: str, replacement: dict[str, Any] | None = None,
-                  timeout_s: float = 60.0) -> str | None:
-        """Kill that node at once (not the head) and wait until the GCS declares it dead. With
-        `replacement` (add_node's arguments), a new node joins first, so the lost node's work
-        has somewhere to go: its id (None without one)."""
-        new = self.add_node(**replacement) if replacement is not None else None
+    def lose_node(self, node_id: str, timeout_s: float = 60.0) -> float:
+        """Kill that node at once (never the head) and wait until the GCS declares it dead: the
+        seconds that took. Add the capacity its work is to move to first: a node takes seconds
+        to join."""
         node = self._nodes.pop(node_id)
+        start = time.monotonic()
         self.cluster.remove_node(node, allow_graceful=False)
-        deadline = time.monotonic() + timeout_s
         while self.alive(node_id):
-            if time.monotonic() > deadline:
+            if time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"node {node_id} still alive {timeout_s:g} s after it was killed")
             time.sleep(0.05)
-        return new
+        return time.monotonic() - start
 
     def shutdown(self) -> None:
         ray.shutdown()
