@@ -17,8 +17,8 @@ supervisor replaces a dead engine.
 
 The head node (this process: the server, and the engine actor unless a test moves it) has no
 CPU, so every worker group goes to the one worker node with room. The tests run in order, each
-leaving the server SERVING with a whole pool; the first runs by default, the others (an engine
-restart each) in the slow suite.
+leaving the server SERVING with a whole pool. They run in the slow suite (scripts/test-slow);
+the default suite has the bounded placement wait (tests/executor/test_ray_tp.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from tests.support.node_cluster import NodeCluster, engine_nodes
 from tests.support.ray_state import alive_actors, live_placement_groups
 from tests.support.streams import Stream
 
-pytestmark = pytest.mark.integration
+# Over a minute on 2 cores (three raylets, an engine, a new worker group per test): slow.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NAME = "llama"
 MAX_TOKENS = 64
@@ -183,7 +184,6 @@ def move_engine_to(env: Env, node: str) -> None:
     assert engine_nodes(server.engine.actor).engine == node
 
 
-@pytest.mark.slow
 def test_node_of_engine_and_workers_lost_streams_go_on_on_a_new_engine(env):
     cluster, server = env.cluster, env.running
     move_engine_to(env, env.worker_node)
@@ -216,7 +216,6 @@ def test_node_of_engine_and_workers_lost_streams_go_on_on_a_new_engine(env):
     assert_one_engine_left(cluster, server)
 
 
-@pytest.mark.slow
 def test_no_capacity_left_streams_end_unavailable_within_the_bound(env):
     cluster, server = env.cluster, env.running
     assert engine_nodes(server.engine.actor).engine == cluster.head_id

@@ -27,9 +27,11 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
-# The GCS's verdict on a silent raylet: a check every 0.5 s, dead after 6 missed in a row.
+# The GCS's verdict on a silent raylet: a check every 0.5 s, dead after 6 missed in a row. No
+# Python workers started ahead of need: a node joining on a busy machine must register within
+# Ray's fixed 30 s.
 FAST_NODE_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                               "health_check_failure_threshold": 6}
+                               "health_check_failure_threshold": 6, "enable_worker_prestart": False}
 
 
 class NodeCluster:
