@@ -198,6 +198,9 @@ class ParallelSettings:
                                              "(a tenth of a plain actor call's cost)")
     step_timeout_s: float = setting(60.0, "a step slower than this means a hung worker group")
     ray_start_timeout_s: float = setting(300.0, "seconds the worker group may take to start")
+    placement_timeout_s: float = setting(
+        120.0, "seconds a worker group waits for the cluster to place its workers: at start, and "
+               "after its node was lost for capacity to take it (each restart waits again)")
     max_worker_restarts: int = setting(3, "failed worker-group restarts in a row before the "
                                           "engine gives up")
 
@@ -207,6 +210,7 @@ class ParallelSettings:
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.distributed_executor_backend != "uni" or self.tensor_parallel_size == 1,
              "tensor_parallel_size > 1 needs the ray executor"),
+            (self.placement_timeout_s > 0, "placement_timeout_s must be > 0"),
         ])
 
     @property

@@ -68,10 +68,13 @@ class AsyncEngineClient(EngineClient):
 
     @classmethod
     async def start(cls, config: EngineConfig, actor_name: str | None = None,
-                    gpu_share: float = 1.0) -> AsyncEngineClient:
+                    gpu_share: float = 1.0, scheduling_strategy: Any = None) -> AsyncEngineClient:
         """Create the engine actor (it takes a GPU itself only when it runs the model in
         process, i.e. at tensor_parallel_size 1 on a GPU cluster) and wait until it is ready.
-        gpu_share: the part of that GPU it reserves (data-parallel engines sharing a card)."""
+        gpu_share: the part of that GPU it reserves (data-parallel engines sharing a card).
+        scheduling_strategy: where Ray places the actor (None: Ray's default). A replacement for
+        an engine on a lost node must not be pinned there: a soft node affinity falls back to
+        another node once its node is gone, a hard one waits for the node forever."""
         gpus: float = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]  # unannotated in Ray
         in_process_gpu = (not config.parallel.uses_ray_workers and config.model_settings.device != "cpu"
                           and gpus >= 1)
@@ -79,6 +82,8 @@ class AsyncEngineClient(EngineClient):
                        num_gpus=gpu_share if in_process_gpu else 0)
         if actor_name:
             options.update(name=actor_name, get_if_exists=False)
+        if scheduling_strategy is not None:
+            options.update(scheduling_strategy=scheduling_strategy)
         # Ray types what .remote() makes as ActorProxy, a handle or the class itself.
         actor = cast("ray.actor.ActorHandle[EngineActor]", ray.remote(EngineActor).options(**options).remote(config))
         try:
@@ -242,7 +247,7 @@ class AsyncEngineClient(EngineClient):
     def _remove_worker_placement_group(self) -> None:
         """An engine actor that died without shutting down leaves its workers' placement group
         behind (Ray ties it to the job, not the actor), holding their GPUs: remove it."""
-        from raypaged.executor.ray_executor import worker_placement_group_name
+        from raypaged.executor.placement import worker_placement_group_name
 
         name = worker_placement_group_name(self.actor._actor_id.hex())
         try:

@@ -13,17 +13,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.executor.base import Executor, WorkerCall, call_on_worker
 from raypaged.executor.errors import WorkerGroupError
+from raypaged.executor.placement import WorkerPlacement, place_workers
 
 if TYPE_CHECKING:
     from ray.dag.compiled_dag_node import CompiledDAG
-    from ray.util.placement_group import PlacementGroup
 
     from raypaged.worker.worker import Worker
 
@@ -39,19 +37,6 @@ _GROUP_FAILURES: tuple[type[BaseException], ...] = (
     ray.exceptions.RaySystemError,
     TimeoutError,
 )
-
-
-def worker_placement_group_name(engine_actor_id: str) -> str:
-    """The name of the placement group an executor running inside that engine actor makes.
-
-    Ray removes a placement group with the job that made it, not with the actor: when the engine
-    actor dies, whoever replaces it removes the group by this name, or its GPUs stay reserved."""
-    return f"raypaged-workers-{engine_actor_id}"
-
-
-def _own_placement_group_name() -> str:
-    actor_id = ray.get_runtime_context().get_actor_id()
-    return worker_placement_group_name(actor_id) if actor_id else ""
 
 
 class RayWorkerActor:
@@ -100,8 +85,7 @@ class RayExecutor(Executor):
                      log_to_driver=False, ignore_reinit_error=True)
         self.use_gpu = self._use_gpu()
         self.workers: list[Any] = []
-        self.placement_group: PlacementGroup | None = None
-        self._owns_placement_group = False
+        self.placement: WorkerPlacement | None = None
         self.compiled_dag: CompiledDAG | None = None
         self._failed = False  # set once a call to the group failed: shutdown then kills first
         try:
@@ -123,54 +107,30 @@ class RayExecutor(Executor):
         return gpus >= self.world_size
 
     def _start_workers(self) -> None:
+        """Place the group (waiting for capacity, bounded), start one actor per rank, join them
+        in one process group and load the model. Each wait is bounded: placement_timeout_s for
+        the placement, ray_start_timeout_s for the rest."""
         cpus = self.config.parallel.cpus_per_worker(self.use_gpu)
         bundle = {"CPU": cpus, "GPU": 1} if self.use_gpu else {"CPU": cpus}
-        first_bundle = self._place_workers(bundle)
-        group = self.placement_group
-        assert group is not None  # _place_workers set it
+        self.placement = placement = place_workers(self.world_size, bundle,
+                                                   self.config.parallel.placement_timeout_s)
         actor_class = ray.remote(RayWorkerActor)
         config = self.config
         if not self.use_gpu and config.model_settings.device == "auto":
             # The workers must agree with the placement: no GPU was reserved for them.
             config = config.replace(device="cpu")
         self.workers = [
-            actor_class.options(
-                num_cpus=cpus, num_gpus=1 if self.use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=first_bundle + rank),
-            ).remote(config, self.model_dir, rank, self.world_size)
+            actor_class.options(num_cpus=cpus, num_gpus=1 if self.use_gpu else 0,
+                                scheduling_strategy=placement.strategy(rank),
+                                ).remote(config, self.model_dir, rank, self.world_size)
             for rank in range(self.world_size)
         ]
-        host, port = ray.get(self.workers[0].address_for_rendezvous.remote())
+        [(host, port)] = self._wait_all([self.workers[0].address_for_rendezvous.remote()],
+                                        "address_for_rendezvous")
         # All ranks join torch.distributed together: each call blocks until every rank arrives.
         init_method = f"tcp://{host}:{port}"
         self._wait_all([w.init_worker.remote(init_method) for w in self.workers], "init_worker")
         self.compiled_dag = self._compile() if self.config.parallel.use_compiled_graph else None
-
-    def _place_workers(self, bundle: dict[str, float]) -> int:
-        """Sets self.placement_group; returns the bundle index of rank 0.
-
-        Inside a placement group already (a Ray Serve replica's, whose `placement_group_bundles`
-        reserve the engine's GPUs), the workers take its last world_size bundles, as vLLM does
-        under Serve: a second group would reserve the same GPUs twice. Otherwise the executor
-        makes (and later removes) a group of its own."""
-        current = ray.util.get_current_placement_group()
-        self._owns_placement_group = current is None
-        if current is None:
-            self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)],
-                                                   strategy="PACK", name=_own_placement_group_name())
-            ray.get(self.placement_group.ready(), timeout=self.config.parallel.ray_start_timeout_s)
-            return 0
-        specs = current.bundle_specs
-        first = len(specs) - self.world_size
-        short = [i for i in range(max(first, 0), len(specs))
-                 if any(specs[i].get(k, 0) < v for k, v in bundle.items())]
-        if first < 0 or short:
-            raise RuntimeError(
-                f"this process runs in a placement group whose last {self.world_size} bundles must "
-                f"each hold a worker ({bundle}); it has {specs}")
-        self.placement_group = current
-        return first
 
     def _compile(self) -> CompiledDAG:
         from ray.dag import InputNode, MultiOutputNode
@@ -248,6 +208,6 @@ class RayExecutor(Executor):
             ray.kill(worker, no_restart=True)
         self._wait_until_dead(self.workers)
         self.workers = []
-        if self.placement_group is not None and self._owns_placement_group:
-            remove_placement_group(self.placement_group)
-        self.placement_group = None
+        if self.placement is not None:
+            self.placement.release()
+        self.placement = None

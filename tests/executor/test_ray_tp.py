@@ -226,6 +226,22 @@ def test_worker_group_that_cannot_come_back_fails_requests_with_an_error():
         llm.shutdown()
 
 
+def test_group_the_cluster_cannot_place_fails_within_the_placement_timeout():
+    """No room for the group (here: bundles bigger than the cluster; after a lost node: no
+    capacity left): NoCapacityError after placement_timeout_s, naming what was asked and what is
+    free, and its placement group removed (the next attempt must not find the room taken)."""
+    from raypaged.executor.errors import NoCapacityError
+
+    groups_before = set(live_placement_groups())
+    start = time.monotonic()
+    with pytest.raises(NoCapacityError, match=r"2 bundles of \{'CPU': 64.0\}.*within 1 s.*free now"):
+        LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, ray_cpus_per_worker=64.0,
+            placement_timeout_s=1)
+    assert time.monotonic() - start < 30
+    assert set(live_placement_groups()) == groups_before
+    assert "RayWorkerActor" not in live_actors()
+
+
 def test_prompt_logprobs_and_logit_bias_under_tp2():
     """The prompt positions' logits are gathered over the vocabulary shards on every rank (a
     collective both join) and rank 0 scores them; the bias applies in rank 0's sampler, whose

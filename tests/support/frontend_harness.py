@@ -8,14 +8,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from raypaged.config import EngineConfig
 from raypaged.frontend.server import FrontendServer, ServerConfig
+
+if TYPE_CHECKING:
+    from raypaged.engine.client import AsyncEngineClient
 
 
 def init_ray() -> None:
@@ -38,8 +41,10 @@ def cpu_server(model_dir: str, **engine_config: Any) -> Iterator[ServerThread]:
 
 class ServerThread:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None,
-                 restart_engine: bool = False) -> None:
-        """restart_engine: the server replaces a dead engine (frontend/supervisor.py)."""
+                 restart_engine: bool = False,
+                 start_engine: Callable[[], Awaitable[AsyncEngineClient]] | None = None) -> None:
+        """restart_engine: the server replaces a dead engine (frontend/supervisor.py).
+        start_engine: how every engine is started (default: AsyncEngineClient.start(engine_config))."""
         from transformers import AutoTokenizer
 
         self.loop = asyncio.new_event_loop()
@@ -52,8 +57,9 @@ class ServerThread:
         async def start() -> FrontendServer:
             from raypaged.engine.client import AsyncEngineClient
 
-            engine = await AsyncEngineClient.start(engine_config)
-            factory = (lambda: AsyncEngineClient.start(engine_config)) if restart_engine else None
+            starter = start_engine or (lambda: AsyncEngineClient.start(engine_config))
+            engine = await starter()
+            factory = starter if restart_engine else None
             server = FrontendServer(engine, self.tokenizer, config, owns_engine=True, engine_factory=factory)
             await server.start()
             return server
