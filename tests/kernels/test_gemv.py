@@ -117,10 +117,25 @@ def test_table_records_and_looks_up(tmp_path):
 def test_committed_tables_configs_compute_the_product(path):
     # Each tuned config, on a small product of its own tile sizes (two tiles of outputs, two K
     # tiles per split) in the interpreter: a table can only choose configs that are correct.
+    # FP8 entries (e4m3 weights, the weight-only kernels of gemv_fp8.py; rows 1 is the one-row
+    # kernel's key) against the weight-only reference.
+    from raypaged.kernels.gemv_fp8 import TABLE_DTYPE, gemv_w8a16
+    from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
+
     table = json.loads(path.read_text())
     for entry in table["entries"]:
-        assert entry["backend"] in ("triton", "cublas") and entry["rows"] in (16, 32, 64)
         c = entry["config"]
+        if entry["dtype"] == TABLE_DTYPE:
+            assert entry["backend"] == "triton" and entry["rows"] in (1, 16, 32, 64)
+            rows, split = min(entry["rows"], 5), c.get("split_k", 1)
+            gen = torch.Generator().manual_seed(rows)
+            weight, scale = quantize_weight(torch.randn(2 * c["block_n"], 2 * c["block_k"] * split, generator=gen))
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            exact = weight_only_matmul_reference(x.double(), weight, scale.double())
+            error = (gemv_w8a16(x, weight, scale, None, c).double() - exact).abs().max().item()
+            assert error <= 1e-5 * exact.abs().max().item(), (entry["linear"], entry["rows"], error)
+            continue
+        assert entry["backend"] in ("triton", "cublas") and entry["rows"] in (16, 32, 64)
         check(min(entry["rows"], 5), 2 * c["block_n"], 2 * c["block_k"] * c["split_k"], torch.float32,
               **c)
 
