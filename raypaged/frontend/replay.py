@@ -31,12 +31,15 @@ from typing import Any
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from raypaged.core.outputs import EngineCoreOutput, EngineLoad
 from raypaged.core.request import ENGINE_FAILED, Request
-from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
+from raypaged.core.sample_ids import sample_request_id
 from raypaged.engine.client import AsyncEngineClient
 from raypaged.engine.interface import EngineClient
-from raypaged.frontend.stream_journal import StreamJournal
+from raypaged.frontend.stream_journal import StreamJournal, journal_for
 
 logger = logging.getLogger(__name__)
+
+# How one engine streams a request: EngineClient.generate's signature.
+Generate = Callable[[Request, float | None], AsyncGenerator[EngineCoreOutput, None]]
 
 _REQUEUE_S = 0.1  # how soon a replayed stream the new engine's full queue refused tries again
 
@@ -100,21 +103,10 @@ class ReplayingEngine(EngineClient):
         return self._lost_at + self.recovery_timeout_s
 
     async def abort(self, request_id: str) -> None:
-        owner, index = parse_sample_id(request_id)
-        journal = self._journals.get(request_id)
-        if journal is None and index is not None:
-            journal = self._journals.get(owner)
+        journal = journal_for(self._journals, request_id)
         if journal is None:
             return
-        if journal.group_id == request_id:
-            # A resumed stream runs its samples as requests named sample_id(group, i).
-            targets = ([sample_id(request_id, i) for i in journal.open_indices] if journal.per_sample
-                       else [request_id])
-            journal.close()
-        else:
-            assert index is not None
-            targets = [request_id]  # the sample of the group, or the resumed request of that name
-            journal.close(index)
+        targets = journal.close_for_abort(request_id)
         self._wake()  # a stream waiting for an engine may have nothing left to wait for
         engine = self.current
         for target in targets:
@@ -218,14 +210,14 @@ class ReplayingEngine(EngineClient):
             index, request = runs[0]
             async with contextlib.aclosing(engine.generate(request, timeout_s)) as outputs:
                 async for out in outputs:
-                    yield out if index is None else _as_sample(out, journal.group_id, index)
+                    yield out if index is None else as_sample(out, journal.group_id, index)
             return
-        async with contextlib.aclosing(_merged(engine, runs, timeout_s)) as merged:
+        async with contextlib.aclosing(merged_runs(engine.generate, runs, timeout_s)) as merged:
             async for index, out in merged:
-                yield _as_sample(out, journal.group_id, index)
+                yield as_sample(out, journal.group_id, index)
 
 
-def _as_sample(out: EngineCoreOutput, group_id: str, index: int) -> EngineCoreOutput:
+def as_sample(out: EngineCoreOutput, group_id: str, index: int) -> EngineCoreOutput:
     """A resumed sample's record as sample `index` of the group. Its cached-token count and
     queue time were the first engine's, reported already."""
     out.group_id, out.sample_index = group_id, index
@@ -235,15 +227,15 @@ def _as_sample(out: EngineCoreOutput, group_id: str, index: int) -> EngineCoreOu
     return out
 
 
-async def _merged(engine: AsyncEngineClient, runs: list[tuple[int | None, Request]],
-                  timeout_s: float | None) -> AsyncGenerator[tuple[int, EngineCoreOutput], None]:
-    """Several resumed samples' streams as one, in arrival order; the first error ends it, and
-    ending it ends (aborts) every stream left."""
+async def merged_runs(generate: Generate, runs: list[tuple[int | None, Request]],
+                      timeout_s: float | None) -> AsyncGenerator[tuple[int, EngineCoreOutput], None]:
+    """Several resumed samples' streams (each `generate(request, timeout_s)`) as one, in arrival
+    order; the first error ends it, and ending it ends (aborts) every stream left."""
     queue: asyncio.Queue[tuple[int, EngineCoreOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, request: Request) -> None:
         try:
-            async with contextlib.aclosing(engine.generate(request, timeout_s)) as outputs:
+            async with contextlib.aclosing(generate(request, timeout_s)) as outputs:
                 async for out in outputs:
                     queue.put_nowait((index, out))
         except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it

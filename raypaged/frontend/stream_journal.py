@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
-from raypaged.core.sample_ids import sample_id, sample_request_id
+from raypaged.core.sample_ids import parse_sample_id, sample_id, sample_request_id
 
 
 @dataclass
@@ -69,6 +69,20 @@ class StreamJournal:
         for i in range(len(self.samples)) if sample_index is None else (sample_index,):
             self.samples[i].closed = True
 
+    def close_for_abort(self, request_id: str) -> list[str]:
+        """The caller aborts `request_id`: the group's id (every sample) or one sample's
+        (sample_id(group, i)). Closes what it names and returns the engine request ids to abort:
+        a resumed stream runs its samples as requests named sample_id(group, i)."""
+        if request_id == self.group_id:
+            targets = ([sample_id(request_id, i) for i in self.open_indices] if self.per_sample
+                       else [request_id])
+            self.close()
+            return targets
+        _, index = parse_sample_id(request_id)
+        assert index is not None, f"{request_id!r} names no sample of {self.group_id!r}"
+        self.close(index)
+        return [request_id]  # the sample of the group, or the resumed request of that name
+
     def ends_owed(self) -> list[EngineCoreOutput]:
         """After the engine was lost: the finishing (abort) record of each sample the caller
         ended whose engine died before sending it, as a live engine would have (every sample
@@ -101,3 +115,12 @@ class StreamJournal:
                        arrival_time=original.arrival_time, priority=original.priority,
                        cache_salt=original.cache_salt, group_id=request_id,
                        resumed_output_token_ids=tuple(sample.tokens))
+
+
+def journal_for(journals: dict[str, StreamJournal], request_id: str) -> StreamJournal | None:
+    """The journal (by group id) of the stream an abort names: the group's id or one sample's."""
+    journal = journals.get(request_id)
+    owner, index = parse_sample_id(request_id)
+    if journal is None and index is not None:
+        journal = journals.get(owner)
+    return journal
