@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import openai
 import ray
 from ray import serve
 
@@ -18,6 +19,8 @@ from raypaged.serve.route_hint import RouteHint
 APP = "raypaged"
 ENGINE = "raypaged_engine"  # build_app's engine deployment, beside the ingress "raypaged"
 # Small pools, a fraction of a CPU per actor: two engines and an ingress fit in num_cpus=2.
+PROMPTS = ["The block table maps", "def attention(query, key", "Pack my box with"]
+MAX_TOKENS = 12
 ENGINE_ARGS = {"num_gpu_blocks_override": 64, "max_num_seqs": 8, "replica_num_cpus": 0.1,
                "ingress_num_cpus": 0.1}
 
@@ -35,7 +38,8 @@ def serve_instance(app_args: dict[str, Any], metrics: bool = False) -> Iterator[
     extra: dict[str, Any] = {}
     if metrics:  # Ray exports the replicas' metrics on its node metrics port; report often.
         extra = {"_metrics_export_port": ports["metrics"], "_system_config": {"metrics_report_interval_ms": 500}}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **extra)
+    # address="local": a fresh instance of our own, never another test run's cluster on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **extra)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": ports["http"]},
                     grpc_options={"port": ports["grpc"], "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]})
@@ -86,3 +90,26 @@ def engines_satisfy(predicate: Callable[[dict[str, Any]], bool], num_replicas: i
 
 def ingress_stats(app: str = APP) -> dict[str, Any]:
     return serve.get_app_handle(app).ingress_stats.remote().result(timeout_s=30)
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server['base']}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+SWITCH = {"type": "function", "function": {"name": "switch", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}}}
+
+
+def named_call(api: openai.OpenAI):
+    return api.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "Lights on?"}], max_tokens=40, temperature=0.0,
+        tools=[SWITCH], tool_choice={"type": "function", "function": {"name": "switch"}})
+
+
+def engines_idle() -> dict[str, dict[str, Any]]:
+    """Both engine replicas idle with their pools whole, and the ingress streaming nothing."""
+    deadline = time.monotonic() + 30
+    while ingress_stats()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ingress_stats()["in_flight"] == 0
+    return engines_satisfy(idle_and_whole)

@@ -2,8 +2,8 @@
 the client nothing (serve/engine_pool.py), and the ingress places every request, HTTP too, by
 the prefix the engine replicas hold (serve/prefix_request_router.py).
 
-One module Ray + Serve instance: the app with two engine replicas and one ingress. The tests run
-in order; a fault test waits for Serve to replace the replica it killed.
+On tests/serve/conftest.py's instance (an ingress, two engine replicas). A fault test waits for
+Serve to replace the replica it killed, and leaves both pools whole.
 
 - A streamed chat completion over HTTP whose engine replica's actor is killed mid-stream, and a
   seeded sampled gRPC stream whose replica's engine actor is killed mid-stream: each gives the
@@ -11,8 +11,9 @@ in order; a fault test waits for Serve to replace the replica it killed.
   ingress counts the resumption (the kill really fell mid-stream).
 - HTTP requests sharing a prefix land on the engine replica holding it.
 - Bad input is a 400 / INVALID_ARGUMENT and reaches no engine.
-- At the end every engine pool is whole, the ingress holds no stream, and shutting Serve down
-  leaves no actor and no placement group.
+- Nothing leaks: after each fault every engine pool is whole and the ingress holds no stream
+  (and the package's instance checks, as it shuts down, that no actor and no placement group is
+  left).
 """
 
 from __future__ import annotations
@@ -24,39 +25,25 @@ import grpc
 import pytest
 import ray
 import requests
-from ray import serve
 
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.proto.v1 import raypaged_pb2_grpc as pb_grpc
 from raypaged.serve.route_hint import RouteHint
 from tests.serve.serve_harness import (
     APP,
-    ENGINE_ARGS,
     engine_handle,
     engine_replicas,
     engine_stats,
-    engines_satisfy,
-    idle_and_whole,
+    engines_idle,
     ingress_stats,
-    serve_instance,
 )
-from tests.support.checkpoints import checkpoint_dir
 from tests.support.hf_oracle import hf_greedy
-from tests.support.ray_state import live_actors, live_placement_groups
 
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 200
 KILL_AFTER = 4  # messages the client has read when the engine is killed
 METADATA = (("application", APP),)
-
-
-@pytest.fixture(scope="module")
-def server():
-    model = str(checkpoint_dir("llama"))
-    with serve_instance({"model": model, "num_replicas": 2, "stats_interval_s": 0.2, **ENGINE_ARGS}) as ports:
-        engines_satisfy(idle_and_whole)
-        yield {**ports, "model": model}
 
 
 def _streaming_replica() -> str:
@@ -119,13 +106,13 @@ def _grpc_stream(server, params: pb.SamplingParams, on_message=None) -> tuple[li
 def test_http_requests_sharing_a_prefix_go_to_the_replica_holding_it(server):
     """The ingress tokenized the body before an engine was chosen: its handle's router places
     the OpenAI request by prefix (Serve's HTTP proxy alone could place it by load only)."""
-    before = {r: s["prefix_cache_hits"] for r, s in engines_satisfy(idle_and_whole).items()}
+    before = {r: s["prefix_cache_hits"] for r, s in engines_idle().items()}
     shared = list(range(3, 3 + 48))  # three blocks of 16
     for i in range(4):
         body = {"model": "llama", "prompt": shared + [60 + i], "max_tokens": 2, "temperature": 0.0}
         assert requests.post(f"{server['base']}/v1/completions", json=body, timeout=60).status_code == 200
         time.sleep(0.5 if i else 1.5)  # the replicas' routing stats are polled every second
-    after = engines_satisfy(idle_and_whole)
+    after = engines_idle()
     gained = sorted(after[r]["prefix_cache_hits"] - before[r] for r in after)
     assert gained == [0, 3 * 48], gained
 
@@ -143,7 +130,7 @@ def test_bad_input_is_refused_at_the_ingress(server):
         list(pb_grpc.RaypagedServiceStub(channel).Generate(pb.GenerateRequest(prompt=""), metadata=METADATA,
                                                            timeout=30))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in raised.value.details()
-    engines_satisfy(idle_and_whole)
+    engines_idle()
 
 
 def test_http_chat_stream_goes_on_when_its_engine_replica_dies(server):
@@ -152,7 +139,7 @@ def test_http_chat_stream_goes_on_when_its_engine_replica_dies(server):
     resumed = ingress_stats()["resumed"]
     assert _chat_stream(server, on_chunk=_kill_replica) == reference
     assert ingress_stats()["resumed"] == resumed + 1  # the kill fell mid-stream
-    engines_satisfy(idle_and_whole)  # Serve replaced the replica; both pools whole
+    engines_idle()  # Serve replaced the replica; both pools whole
 
 
 def test_grpc_streams_go_on_when_their_engine_actor_dies(server):
@@ -173,16 +160,4 @@ def test_grpc_streams_go_on_when_their_engine_actor_dies(server):
         resumed = ingress_stats()["resumed"]
         assert _grpc_stream(server, params, on_message=_kill_engine_actor) == reference
         assert ingress_stats()["resumed"] == resumed + 1
-        engines_satisfy(idle_and_whole, timeout_s=90)  # the replica with no engine is replaced
-
-
-def test_nothing_leaked(server):
-    engines_satisfy(idle_and_whole)
-    assert ingress_stats()["in_flight"] == 0
-    serve.shutdown()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (live_actors() or live_placement_groups()):
-        time.sleep(0.2)
-    assert live_actors() == [] and live_placement_groups() == []
-
-
+        engines_idle()  # the replica with no engine is replaced
