@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -167,8 +167,8 @@ class ServeEnginePool(EngineClient):
         """One engine replica's stream of `request`; its loss raised as ReplicaLostError, the
         engine's own errors (InvalidRequestError, QueueFullError, RequestTimeoutError) as
         themselves. Leaving it early cancels the call, which aborts the request there."""
-        call = self._handle.options(stream=True).generate.remote(request, timeout_s, route=RouteHint(avoid=avoid))
-        assert isinstance(call, DeploymentResponseGenerator)
+        call = cast(DeploymentResponseGenerator,
+                    self._handle.options(stream=True).generate.remote(request, timeout_s, route=RouteHint(avoid=avoid)))
         key = request.request_id
         replica: str | None = None
         try:

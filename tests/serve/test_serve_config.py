@@ -102,7 +102,8 @@ def test_build_app_pins_the_device_its_bundles_reserve():
     assert args.engine.model_settings.device == "cpu"
     # The ingress holds no placement group; the engine deployment's replica reserves its own.
     assert ingress._replica_config.placement_group_bundles is None
-    assert ingress._deployment_config.request_router_config.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")
+    router = ingress._deployment_config.request_router_config.request_router_class
+    assert router.endswith("PowerOfTwoChoicesRequestRouter")
     engine = engines._bound_deployment if hasattr(engines, "_bound_deployment") else engines
     assert engine._replica_config.placement_group_bundles == [{"CPU": 1.0}]
     assert engine.name == "raypaged_engine" and ingress.name == "raypaged"
