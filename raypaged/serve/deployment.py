@@ -114,7 +114,8 @@ class IngressDeployment:
             raise
 
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
-        """Reaches one replica: a request streaming on another answers NOT_FOUND here."""
+        """Reaches one ingress replica: a request streaming through another (ingress_num_replicas
+        > 1) answers NOT_FOUND here. Whichever engine replica streams it, the abort reaches it."""
         try:
             tenant = self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
