@@ -38,6 +38,9 @@ from raypaged.frontend.stream_journal import StreamJournal, journal_of
 
 logger = logging.getLogger(__name__)
 
+# How one engine streams a request: EngineClient.generate's signature.
+Generate = Callable[[Request, float | None], AsyncGenerator[EngineCoreOutput, None]]
+
 _REQUEUE_S = 0.1  # how soon a replayed stream the new engine's full queue refused tries again
 
 
@@ -211,14 +214,14 @@ async def run_journal(engine: AsyncEngineClient, journal: StreamJournal,
         index, request = runs[0]
         async with contextlib.aclosing(engine.generate(request, timeout_s)) as outputs:
             async for out in outputs:
-                yield out if index is None else _as_sample(out, journal.group_id, index)
+                yield out if index is None else as_sample(out, journal.group_id, index)
         return
-    async with contextlib.aclosing(_merged(engine, runs, timeout_s)) as merged:
+    async with contextlib.aclosing(merged_runs(engine.generate, runs, timeout_s)) as merged:
         async for index, out in merged:
-            yield _as_sample(out, journal.group_id, index)
+            yield as_sample(out, journal.group_id, index)
 
 
-def _as_sample(out: EngineCoreOutput, group_id: str, index: int) -> EngineCoreOutput:
+def as_sample(out: EngineCoreOutput, group_id: str, index: int) -> EngineCoreOutput:
     """A resumed sample's record as sample `index` of the group. Its cached-token count and
     queue time were the first engine's, reported already."""
     out.group_id, out.sample_index = group_id, index
@@ -228,15 +231,15 @@ def _as_sample(out: EngineCoreOutput, group_id: str, index: int) -> EngineCoreOu
     return out
 
 
-async def _merged(engine: AsyncEngineClient, runs: list[tuple[int | None, Request]],
-                  timeout_s: float | None) -> AsyncGenerator[tuple[int, EngineCoreOutput], None]:
-    """Several resumed samples' streams as one, in arrival order; the first error ends it, and
-    ending it ends (aborts) every stream left."""
+async def merged_runs(generate: Generate, runs: list[tuple[int | None, Request]],
+                      timeout_s: float | None) -> AsyncGenerator[tuple[int, EngineCoreOutput], None]:
+    """Several resumed samples' streams (each `generate(request, timeout_s)`) as one, in arrival
+    order; the first error ends it, and ending it ends (aborts) every stream left."""
     queue: asyncio.Queue[tuple[int, EngineCoreOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, request: Request) -> None:
         try:
-            async with contextlib.aclosing(engine.generate(request, timeout_s)) as outputs:
+            async with contextlib.aclosing(generate(request, timeout_s)) as outputs:
                 async for out in outputs:
                     queue.put_nowait((index, out))
         except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it

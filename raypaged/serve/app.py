@@ -1,5 +1,10 @@
 """`build_app`: the Serve application, from a Serve config's `args:` block or a dict.
 
+Two deployments: the ingress (serve/deployment.py: OpenAI HTTP, raypaged.v1 gRPC, the text
+side, tenants), which Serve's proxies call, and the engines (serve/engine_deployment.py, one
+engine per replica, each in its own placement group), which the ingress calls through a
+DeploymentHandle routed by serve/prefix_request_router.py.
+
     # deploy/serve_demo.yaml
     applications:
       - name: raypaged
@@ -23,18 +28,24 @@ from ray.serve.config import RequestRouterConfig
 
 from raypaged.demo import DEMO_MODEL_DIR
 from raypaged.serve.args import ServeAppArgs
-from raypaged.serve.deployment import RaypagedDeployment
+from raypaged.serve.deployment import IngressDeployment
+from raypaged.serve.engine_deployment import EngineDeployment
 from raypaged.serve.placement import replica_bundles, uses_gpu
 
 # Not the generated one: this one answers INVALID_ARGUMENT to bytes that do not parse.
 GRPC_SERVICER_FUNCTION = "raypaged.serve.grpc_ingress.add_RaypagedServiceServicer_to_server"
 
 
+def engine_deployment_name(args: ServeAppArgs) -> str:
+    return f"{args.deployment_name}_engine"
+
+
 def deployment_options(args: ServeAppArgs, cluster_gpus: float) -> dict[str, Any]:
-    """The deployment's options: replicas or autoscaling, and one placement group per replica."""
+    """The engine deployment's options: replicas or autoscaling, one placement group per
+    replica, and the prefix-aware request router the ingress's handle routes with."""
     use_gpu = uses_gpu(args.engine, cluster_gpus)
     options: dict[str, Any] = {
-        "name": args.deployment_name,
+        "name": engine_deployment_name(args),
         "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": args.replica_num_cpus},
         "placement_group_bundles": replica_bundles(args.engine, args.replica_num_cpus, use_gpu),
@@ -48,14 +59,24 @@ def deployment_options(args: ServeAppArgs, cluster_gpus: float) -> dict[str, Any
         options["autoscaling_config"] = args.autoscaling.to_serve()
     else:
         options["num_replicas"] = args.num_replicas
-    if args.autoscaling is not None or (args.num_replicas or 1) > 1:
-        options["request_router_config"] = request_router_config(args)
+    # Always, one replica too: a retry avoids the replica it lost (serve/route_hint.py).
+    options["request_router_config"] = request_router_config(args)
     return options
 
 
+def ingress_options(args: ServeAppArgs) -> dict[str, Any]:
+    """The ingress deployment's options: no placement group, no GPU; Serve's default router
+    (the proxies route before reading the body; the ingress routes the engines by prefix)."""
+    return {"name": args.deployment_name, "num_replicas": args.ingress_num_replicas,
+            "max_ongoing_requests": args.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
+            # Streams in flight get this long to finish when a replica is stopped.
+            "graceful_shutdown_timeout_s": 30.0}
+
+
 def request_router_config(args: ServeAppArgs) -> RequestRouterConfig:
-    """Serve's router for several replicas: serve/prefix_request_router.py, fed by each
-    replica's routing stats once a second."""
+    """The engine deployment's router: serve/prefix_request_router.py, fed by each replica's
+    routing stats once a second."""
     engine = args.engine
     settings: dict[str, Any] = {
         "request_router_class": "raypaged.serve.prefix_request_router:PrefixAwareRequestRouter",
@@ -85,7 +106,8 @@ def build_app(raw_args: dict[str, Any] | None = None) -> Application:
     # Pin the device the bundles were sized for: a replica must never reach for a GPU its
     # placement group did not reserve (or leave a reserved one idle).
     args = dataclasses.replace(args, engine=args.engine.replace(device="cuda" if use_gpu else "cpu"))
-    # serve.ingress() is typed as returning a bare Callable, which picks deployment()'s other overload.
-    deployment = serve.deployment(RaypagedDeployment).options(  # type: ignore[attr-defined]
+    engines = serve.deployment(EngineDeployment).options(  # type: ignore[attr-defined]  # as below
         **deployment_options(args, cluster_gpus))
-    return deployment.bind(args)
+    # serve.ingress() is typed as returning a bare Callable, which picks deployment()'s other overload.
+    ingress = serve.deployment(IngressDeployment).options(**ingress_options(args))  # type: ignore[attr-defined]
+    return ingress.bind(args, engines.bind(args))

@@ -46,23 +46,31 @@ class ServeAppArgs:
     def served_model_names(self) -> list[str]:
         names = self.served_model_name
         return [names] if isinstance(names, str) else list(names or [])
+    # The ingress deployment's name; the engine deployment's is this with "_engine" after it.
     deployment_name: str = "raypaged"
-    num_replicas: int | None = 1  # None with autoscaling set
+    num_replicas: int | None = 1  # engine replicas; None with autoscaling set
     autoscaling: AutoscalingArgs | None = None
     # Requests one replica accepts at once before Serve queues them at the proxy; must exceed
     # the autoscaling target or the target can never be reached.
     max_ongoing_requests: int = 256
-    # With several replicas: how Serve's router picks one (frontend/prefix_router.py policies).
+    # How the ingress's handle picks an engine replica (frontend/prefix_router.py policies).
     routing_policy: str = "prefix"
-    replica_num_cpus: float = 1.0  # the replica actor's own CPU (HTTP / gRPC handling)
+    replica_num_cpus: float = 1.0  # an engine replica actor's own CPU
+    # The ingress (serve/deployment.py): its replicas hold the clients' connections, the text
+    # side and the API keys' limits (counted per ingress replica).
+    ingress_num_replicas: int = 1
+    ingress_num_cpus: float = 1.0
+    # How long a stream whose engine replica died waits for another one to take it.
+    replica_recovery_timeout_s: float = 60.0
     stats_interval_s: float = 1.0
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Chat answers' parsers, as vLLM's flags name them (serve/chat_tools.py).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
-    # The API keys file (frontend/keys_file.py), read by every replica: it must be at this path
-    # on every node (a mounted secret). None: no authentication. Limits are per replica.
+    # The API keys file (frontend/keys_file.py), read by every ingress replica: it must be at
+    # this path on every node (a mounted secret). None: no authentication. Limits are per
+    # ingress replica.
     api_keys_file: str | None = None
 
     @property
@@ -120,6 +128,9 @@ class ServeAppArgs:
              or (self.num_replicas == 1 and self.autoscaling is None),
              "several replicas are routed by block hashes: prefix_caching_hash_algo must be sha256"),
             (self.replica_num_cpus >= 0, "replica_num_cpus must be >= 0"),
+            (self.ingress_num_replicas >= 1, "ingress_num_replicas must be >= 1"),
+            (self.ingress_num_cpus >= 0, "ingress_num_cpus must be >= 0"),
+            (self.replica_recovery_timeout_s > 0, "replica_recovery_timeout_s must be > 0"),
             (self.stats_interval_s > 0, "stats_interval_s must be > 0"),
             (self.served_model_name is None or (bool(self.served_model_names) and all(
                 isinstance(n, str) and n for n in self.served_model_names)),

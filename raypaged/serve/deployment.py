@@ -1,23 +1,26 @@
-"""The Ray Serve deployment: one replica = one engine, served over OpenAI HTTP and raypaged.v1 gRPC.
+"""The ingress deployment: holds the client's connection, OpenAI HTTP and raypaged.v1 gRPC.
 
-The replica starts its engine actor (and, at tensor_parallel_size > 1, the TP workers) inside
-its own placement group (serve/placement.py), then wraps it in the gRPC frontend's
-GenerationService: validation, detokenization, stop strings and metrics are the same code on
-both transports. HTTP routes live on `api` (FastAPI, mounted with serve.ingress); gRPC calls
-arrive through Serve's gRPC proxy, which calls the method named like the RPC (`Generate`, …).
+The app is two deployments. This one answers the clients: FastAPI's OpenAI routes (mounted with
+serve.ingress) and the raypaged.v1 methods Serve's gRPC proxy calls by the RPC's name
+(`Generate`, …). Its GenerationService does everything above the tokens — validation,
+tokenization, API keys and tenant limits, load shedding, detokenization, stop strings, the
+frontend's metrics — over serve/engine_pool.py's ServeEnginePool, which streams token-level
+records from the engine deployment's replicas (serve/engine_deployment.py, one engine each)
+through a DeploymentHandle. Because this replica reads the body before any engine is chosen,
+every request (HTTP too) is placed by its prompt's cached prefix (serve/prefix_request_router.py),
+and an engine replica that dies mid-stream costs the client nothing: the pool goes on on another.
 
 A request whose client goes away (HTTP disconnect, gRPC cancel) is cancelled by Serve; leaving
-GenerationService.generate then aborts it in the engine, which frees its KV blocks.
+GenerationService.generate then cancels the engine call, which aborts it in the engine.
 
 With `api_keys_file`, both transports need a known key (HTTP `Authorization: Bearer <key>`, gRPC
-metadata `authorization`): 401 / UNAUTHENTICATED otherwise. Each key's limits are this
-replica's (N replicas let a key through up to N times its limits).
+metadata `authorization`): 401 / UNAUTHENTICATED otherwise. Each key's limits are counted here,
+per ingress replica: whatever the number of engine replicas, a key gets its limits once per
+ingress replica (`ingress_num_replicas`, default 1: exactly its limits).
 """
 
 # No `from __future__ import annotations` here: serve.ingress rebuilds the route methods, and
 # FastAPI must see the body models as real classes, not strings, to read them from the body.
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,62 +29,53 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
-from raypaged.core.outputs import EngineLoad
-from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.load_shedding import OverloadPolicy
 from raypaged.frontend.malformed import refuse_undecodable
 from raypaged.frontend.metrics import FrontendMetrics
-from raypaged.frontend.prefix_router import PrefixRouter
 from raypaged.frontend.service import GenerationService
 from raypaged.frontend.tenants import Tenant, unused_priorities_warning
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.args import ServeAppArgs
+from raypaged.serve.engine_deployment import served_model_name
+from raypaged.serve.engine_pool import ServeEnginePool
 from raypaged.serve.openai_api import Authorization, OpenAIFrontDoor, RequestTimeout, install_error_handlers
 from raypaged.serve.openai_errors import unauthenticated
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
-from raypaged.serve.prefix_request_router import routing_value
 from raypaged.serve.ray_metrics import RayMetricsMirror
 
 logger = logging.getLogger(__name__)
 
-api = FastAPI(title="raypaged", description="OpenAI-compatible API of a raypaged replica")
+api = FastAPI(title="raypaged", description="OpenAI-compatible API of raypaged on Ray Serve")
 install_error_handlers(api)
 
 
 @serve.ingress(api)
-class RaypagedDeployment:
-    async def __init__(self, args: ServeAppArgs) -> None:  # type: ignore[misc]  # Serve awaits it
+class IngressDeployment:
+    async def __init__(self, args: ServeAppArgs, engine: DeploymentHandle) -> None:  # type: ignore[misc]
         from transformers import AutoTokenizer
 
-        config = args.engine
         self.args = args
-        self.engine = await AsyncEngineClient.start(config)
-        # This replica's prefix cache as its engine reports it, for Serve's request router.
-        self._cache_view = PrefixRouter(1)
-        self.engine.on_batch = self._on_engine_batch
+        self.engine = await ServeEnginePool.start(engine, recovery_timeout_s=args.replica_recovery_timeout_s)
         info = self.engine.model_info
-        tokenizer = AutoTokenizer.from_pretrained(config.model_settings.tokenizer or info["model_dir"])
+        tokenizer = AutoTokenizer.from_pretrained(args.engine.model_settings.tokenizer or info["model_dir"])
         names = args.served_model_names
-        model_name = names[0] if names else ("demo" if config.model_settings.model is None else None)
-        self.service = GenerationService(self.engine, tokenizer, model_name=model_name, limits=args.limits,
-                                         overload=OverloadPolicy.from_config(config))
-        self.replica_id = serve.get_replica_context().replica_tag
-        self._headers = {"x-raypaged-replica": self.replica_id}  # which replica answered
+        self.service = GenerationService(self.engine, tokenizer, model_name=served_model_name(args, info),
+                                         limits=args.limits, overload=OverloadPolicy.from_config(args.engine))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._headers = {"x-raypaged-replica": self.replica_id}  # which ingress replica answered
         self.metrics = FrontendMetrics(self.service.model_name, info["max_model_len"], engine=self.replica_id)
         self.metrics.record_kv_pool(info)
         RayMetricsMirror().attach(self.metrics)
         self.service.metrics = self.metrics
         self.tenants = args.api_keys()
-        unused = unused_priorities_warning(self.tenants, config.scheduler.scheduling_policy)
+        unused = unused_priorities_warning(self.tenants, args.engine.scheduler.scheduling_policy)
         if unused is not None:
             logger.warning("%s", unused)
         self.openai = OpenAIFrontDoor(self.service, self.metrics, self._headers, model_names=names,
                                       parsing=args.chat_parsing, tenants=self.tenants)
-        self._poll_task = asyncio.get_running_loop().create_task(self._poll_engine())
-        logger.info("raypaged replica %s ready: %s (%d KV blocks of %d, tp %d)", self.replica_id,
-                    self.service.model_name, info["num_blocks"], info["block_size"],
-                    info["tensor_parallel_size"])
+        logger.info("raypaged ingress %s ready: %s", self.replica_id, self.service.model_name)
 
     @property
     def model_name(self) -> str:
@@ -120,7 +114,8 @@ class RaypagedDeployment:
             raise
 
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
-        """Reaches one replica: a request streaming on another answers NOT_FOUND here."""
+        """Reaches one ingress replica: a request streaming through another (ingress_num_replicas
+        > 1) answers NOT_FOUND here. Whichever engine replica streams it, the abort reaches it."""
         try:
             tenant = self._grpc_tenant(grpc_context)
             refuse_undecodable(request)
@@ -158,50 +153,12 @@ class RaypagedDeployment:
             if retry_after is not None:
                 grpc_context.set_trailing_metadata((("retry-after", retry_after),))
 
-    # ---- operations: Serve calls, handle calls -------------------------------------------------
-    async def check_health(self) -> None:
-        """Serve restarts a replica whose engine is gone."""
-        if not self.engine.is_alive:
-            raise RuntimeError("the engine is gone")
-
-    def _on_engine_batch(self, events: list[int], load: EngineLoad | None) -> None:
-        self._cache_view.apply_events(0, events)
-        if load is not None:
-            self._cache_view.update_load(0, load)
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        """What Serve's request router (serve/prefix_request_router.py) reads of this replica."""
-        state = self._cache_view.replicas[0]
-        load = state.load or EngineLoad(0, 0, 0.0)
-        return {"cached": [routing_value(v) for v in state.cached], "num_waiting": load.num_waiting,
-                "num_running": load.num_running, "kv_usage": load.kv_usage}
-
-    async def engine_stats(self) -> dict[str, Any]:
-        stats = await self.engine.actor.stats.remote()
-        return {"replica": self.replica_id, "num_running": stats["num_running"],
-                "num_waiting": stats["num_waiting"], "num_blocks": stats["scheduler"].kv_cache.num_blocks,
-                "num_free_blocks": stats["scheduler"].kv_cache.num_free_blocks,
-                "prefix_cache_hits": stats["scheduler"].kv_cache.prefix_cache_hits,
-                "in_flight": self.service.num_in_flight}
+    # ---- operations: handle calls -------------------------------------------------------------
+    def ingress_stats(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "in_flight": self.service.num_in_flight,
+                "resumed": self.engine.num_resumed}
 
     def metrics_text(self) -> str:
         """This replica's metrics in Prometheus' text format (Prometheus itself scrapes Ray's
         export of them: serve/ray_metrics.py)."""
         return generate_latest(self.metrics.registry).decode()
-
-    async def _poll_engine(self) -> None:
-        while self.engine.is_alive:
-            try:
-                stats = await self.engine.actor.stats.remote()
-                self.metrics.record_engine_stats(stats["scheduler"])
-            except Exception:  # the pump notices a dead engine; here a missed poll is all
-                logger.debug("engine stats poll failed", exc_info=True)
-            await asyncio.sleep(self.args.stats_interval_s)
-
-    async def __del__(self) -> None:
-        """Serve's graceful shutdown: streams in flight were drained by Serve first."""
-        self._poll_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._poll_task
-        await self.engine.shutdown()
-

@@ -7,11 +7,19 @@ holds (cut to 64 bits: `routing_value`) and its engine's load. Between polls, th
 count of requests routed to a replica and not yet answered, and their prompt blocks (pending
 there), cover what the snapshot has not caught up with.
 
-What it sees of a request: a raypaged.v1 GenerateRequest, as Serve's gRPC proxy passes it (a
-pickled gRPCRequest) or as a DeploymentHandle caller passes it. Its prompt is hashed with core's chain;
-a text prompt is tokenized with the model's tokenizer, as the replica will. Serve's HTTP proxy
-routes before the body is read (the router gets the ASGI scope alone), so OpenAI HTTP requests
-through it are placed by load only (power of two choices over the same loads).
+It is the router of the engine deployment (serve/engine_deployment.py), running in each
+ingress replica's process for the ingress's handle calls. What it sees of a request: the
+`core.Request` the ingress built (tokenized, its tenant's cache salt applied: the very values the
+engine will hash), whatever the transport was (OpenAI HTTP or raypaged.v1 gRPC); a resumed stream
+hashes its prompt and the tokens already streamed, as the engine will. Each call's `route`
+keyword (serve/route_hint.py) narrows the candidates: the replicas its stream lost are avoided,
+a pinned call (an abort) goes to its replica only; with no candidate left it waits, in Serve's
+back-off, for a replica to come (the caller bounds the wait).
+
+It also reads a raypaged.v1 GenerateRequest (a handle caller's own, or Serve's gRPC proxy's
+pickled gRPCRequest, should the router be set on a deployment the proxy calls); a text prompt is
+then tokenized with the model's tokenizer. A call whose prompt it cannot read is placed by load
+(power of two choices over the same loads).
 """
 
 from __future__ import annotations
@@ -22,12 +30,14 @@ import pickle
 from typing import Any
 
 from ray.serve._private.common import gRPCRequest  # what Serve's gRPC proxy sends a replica
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from raypaged.core.block_hashing import block_hasher, prefix_hash_values
 from raypaged.core.outputs import EngineLoad
+from raypaged.core.request import Request
 from raypaged.frontend.prefix_router import PrefixRouter, ReplicaState
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.route_hint import RouteHint
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,19 @@ def generate_request_of(pending: PendingRequest) -> pb.GenerateRequest | None:
     return None
 
 
+def core_request_of(pending: PendingRequest) -> Request | None:
+    """The core Request among the call's arguments (the ingress's generate calls)."""
+    for arg in (*pending.args, *pending.kwargs.values()):
+        if isinstance(arg, Request):
+            return arg
+    return None
+
+
+def route_hint_of(pending: PendingRequest | None) -> RouteHint:
+    hint = pending.kwargs.get("route") if pending is not None else None
+    return hint if isinstance(hint, RouteHint) else RouteHint()
+
+
 def apply_routing_stats(state: ReplicaState, stats: dict[str, Any]) -> None:
     """A replica's snapshot (serve/deployment.py record_routing_stats) into the router's view."""
     if "cached" in stats:
@@ -76,7 +99,10 @@ def apply_routing_stats(state: ReplicaState, stats: dict[str, Any]) -> None:
         state.load = EngineLoad(stats["num_waiting"], stats.get("num_running", 0), stats.get("kv_usage", 0.0))
 
 
-class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
+class PrefixAwareRequestRouter(RequestRouter):
+    """Not FIFOMixin's: the replica chosen for a call is that call's (a pinned abort must reach
+    its replica, not whichever call waits longest)."""
+
     def initialize_state(self, block_size: int = 16, policy: str = "prefix", tokenizer: str | None = None,
                          **router_kwargs: Any) -> None:
         """Serve calls this with request_router_kwargs (serve/app.py): the engines' block size,
@@ -106,13 +132,22 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        hint = route_hint_of(pending_request)
+        if pending_request is not None:
+            # Serve asks again at once unless told to back off; an empty answer (every replica
+            # avoided) would spin its routing loop without ever yielding the event loop.
+            pending_request.routing_context.should_backoff = True
         by_index: dict[int, RunningReplica] = {}
         for replica in candidate_replicas:
+            if not hint.allows(replica.replica_id.unique_id):
+                continue
             index = self._indices.get(replica.replica_id)
             if index is None:
                 index = self._indices[replica.replica_id] = self._router.add_replica()
             self._refresh(index, replica)
             by_index[index] = replica
+        if not by_index:
+            return []  # Serve backs off and asks again as replicas come and go
         values = self._hash_values(pending_request)
         # A request whose prompt it cannot read: by load alone (power of two choices).
         choice = self._router.pick(values, sorted(by_index), None if values else "p2c")
@@ -137,7 +172,14 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
             apply_routing_stats(state, stats)
 
     def _hash_values(self, pending: PendingRequest | None) -> list[int]:
-        message = generate_request_of(pending) if pending is not None else None
+        if pending is None:
+            return []
+        request = core_request_of(pending)
+        if request is not None:
+            ids = [*request.prompt_token_ids, *request.resumed_output_token_ids]
+            values = prefix_hash_values(ids, self._block_size, request.cache_salt, self._hasher)
+            return [routing_value(v) for v in values]
+        message = generate_request_of(pending)
         if message is None:
             return []
         ids = list(message.prompt_token_ids)

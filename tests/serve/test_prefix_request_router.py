@@ -8,10 +8,14 @@ import pickle
 from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, gRPCRequest
+from ray.serve._private.request_router.common import RequestRoutingContext
 
 from raypaged.core.block_hashing import block_hasher, prefix_hash_values
+from raypaged.core.request import Request
+from raypaged.core.sampling_params import SamplingParams
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.prefix_request_router import PrefixAwareRequestRouter, routing_value
+from raypaged.serve.route_hint import RouteHint
 
 BLOCK = 4
 PROMPT = list(range(10, 22))  # three full blocks
@@ -33,14 +37,25 @@ class FakeResult:
         self.callbacks.append(callback)
 
 
-def hashes(prompt: list[int]) -> list[int]:
-    return [routing_value(v) for v in prefix_hash_values(prompt, BLOCK, None, block_hasher("sha256"))]
+def hashes(prompt: list[int], salt: str | None = None) -> list[int]:
+    return [routing_value(v) for v in prefix_hash_values(prompt, BLOCK, salt, block_hasher("sha256"))]
+
+
+def pending(args: list, **kwargs) -> SimpleNamespace:
+    return SimpleNamespace(args=args, kwargs=kwargs, routing_context=RequestRoutingContext())
 
 
 def request(prompt: list[int]) -> SimpleNamespace:
     """As Serve's gRPC proxy sends it: a gRPCRequest, pickled."""
     message = gRPCRequest(user_request_proto=pb.GenerateRequest(prompt_token_ids=prompt))
-    return SimpleNamespace(args=[pickle.dumps(message)], kwargs={})
+    return pending([pickle.dumps(message)])
+
+
+def ingress_call(prompt: list[int], salt: str | None = None, resumed: tuple[int, ...] = (),
+                 route: RouteHint | None = None) -> SimpleNamespace:
+    """As the ingress's engine pool calls generate: the core Request, its timeout, the hint."""
+    core = Request("r", prompt, SamplingParams(max_tokens=4), cache_salt=salt, resumed_output_token_ids=resumed)
+    return pending([core, None], route=route or RouteHint())
 
 
 def make_router() -> PrefixAwareRequestRouter:
@@ -96,7 +111,7 @@ async def _unreadable():
     a = FakeReplica("a", {"cached": [], "num_waiting": 5, "num_running": 0, "kv_usage": 0.0})
     b = FakeReplica("b", {"cached": [], "num_waiting": 0, "num_running": 0, "kv_usage": 0.0})
     router.update_replicas([a, b])
-    http = SimpleNamespace(args=[object()], kwargs={})  # Serve's HTTP proxy: no body to read
+    http = pending([object()])  # Serve's HTTP proxy: no body to read
     assert (await router.choose_replicas([a, b], http))[0] == [b]
 
 
@@ -117,7 +132,7 @@ def test_only_the_proxys_request_is_unpickled():
     called = []
     import os
 
-    hostile = SimpleNamespace(args=[pickle.dumps(_Payload())], kwargs={})
+    hostile = pending([pickle.dumps(_Payload())])
     real = os.system
     os.system = lambda *a: called.append(a) or 0  # type: ignore[assignment]
     try:
@@ -125,3 +140,43 @@ def test_only_the_proxys_request_is_unpickled():
     finally:
         os.system = real
     assert not called
+
+
+def test_the_ingress_request_is_placed_by_its_salted_prompt_and_resumed_tokens():
+    asyncio.run(_ingress_request())
+
+
+async def _ingress_request():
+    router = make_router()
+    idle = {"cached": [], "num_waiting": 0, "num_running": 0, "kv_usage": 0.0}
+    a = FakeReplica("a", dict(idle))
+    b = FakeReplica("b", {**idle, "cached": hashes(PROMPT, "tenant"), "num_waiting": 1})
+    router.update_replicas([a, b])
+    assert (await router.choose_replicas([a, b], ingress_call(PROMPT, "tenant")))[0] == [b]
+    # Another salt is another prefix: no replica holds it, the less loaded one takes it.
+    assert (await router.choose_replicas([a, b], ingress_call(PROMPT, "other")))[0] == [a]
+    # A resumed stream's prompt and tokens are hashed as one sequence, as the engine will.
+    c = FakeReplica("c", {**idle, "cached": hashes(PROMPT[:8] + OTHER[:4]), "num_waiting": 1})
+    router.update_replicas([a, b, c])
+    call = ingress_call(PROMPT[:8], resumed=tuple(OTHER[:4]))
+    assert (await router.choose_replicas([a, b, c], call))[0] == [c]
+
+
+def test_a_route_hint_avoids_lost_replicas_and_pins_one():
+    asyncio.run(_route_hints())
+
+
+async def _route_hints():
+    router = make_router()
+    idle = {"cached": [], "num_waiting": 0, "num_running": 0, "kv_usage": 0.0}
+    a = FakeReplica("a", {**idle, "cached": hashes(PROMPT)})
+    b = FakeReplica("b", dict(idle))
+    router.update_replicas([a, b])
+    avoiding_a = ingress_call(PROMPT, route=RouteHint(avoid=frozenset({"a"})))
+    assert await router.choose_replicas([a, b], avoiding_a) == [[b]]
+    assert avoiding_a.routing_context.should_backoff  # Serve waits before asking again
+    pinned = ingress_call(OTHER, route=RouteHint(pin="b"))
+    assert await router.choose_replicas([a, b], pinned) == [[b]]
+    # Nothing allowed (the pinned replica is gone): no choice, and Serve backs off.
+    assert await router.choose_replicas([a], pinned) == []
+    assert await router.choose_replicas([a, b], ingress_call(PROMPT, route=RouteHint(avoid=frozenset("ab")))) == []

@@ -21,7 +21,7 @@ from raypaged.core.errors import InvalidRequestError, QueueFullError
 from raypaged.engine.client import EngineDeadError
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.proto.v1 import raypaged_pb2 as pb
-from raypaged.serve import GRPC_SERVICER_FUNCTION, ServeAppArgs, deployment_options
+from raypaged.serve import GRPC_SERVICER_FUNCTION, ServeAppArgs, deployment_options, ingress_options
 from raypaged.serve.chat_template import DEFAULT_CHAT_TEMPLATE, chat_prompt_token_ids
 from raypaged.serve.openai_errors import OpenAIError, from_validation_errors, model_not_found
 from raypaged.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -97,10 +97,32 @@ def test_build_app_pins_the_device_its_bundles_reserve():
     from raypaged.serve import build_app
 
     app = build_app({"model": "/m"})  # no Ray here and no GPU: a CPU replica
-    deployment = app._bound_deployment
-    (args,) = deployment.init_args
+    ingress = app._bound_deployment
+    args, engines = ingress.init_args
     assert args.engine.model_settings.device == "cpu"
-    assert deployment._replica_config.placement_group_bundles == [{"CPU": 1.0}]
+    # The ingress holds no placement group; the engine deployment's replica reserves its own.
+    assert ingress._replica_config.placement_group_bundles is None
+    router = ingress._deployment_config.request_router_config.request_router_class
+    assert router.endswith("PowerOfTwoChoicesRequestRouter")
+    engine = engines._bound_deployment if hasattr(engines, "_bound_deployment") else engines
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 1.0}]
+    assert engine.name == "raypaged_engine" and ingress.name == "raypaged"
+
+
+def test_the_engines_route_by_prefix_and_the_ingress_scales_apart():
+    args = ServeAppArgs.from_dict({"num_replicas": 3, "ingress_num_replicas": 2, "ingress_num_cpus": 0.5})
+    engines = deployment_options(args, cluster_gpus=0)
+    # One engine replica too: a retry must avoid the replica it lost (serve/route_hint.py).
+    one = deployment_options(ServeAppArgs.from_dict({}), cluster_gpus=0)
+    for options in (engines, one):
+        assert options["request_router_config"].request_router_class.endswith("PrefixAwareRequestRouter")
+    assert engines["num_replicas"] == 3
+    ingress = ingress_options(args)
+    assert (ingress["num_replicas"], ingress["ray_actor_options"]) == (2, {"num_cpus": 0.5})
+    assert "placement_group_bundles" not in ingress
+    for bad in ({"ingress_num_replicas": 0}, {"ingress_num_cpus": -1}, {"replica_recovery_timeout_s": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            ServeAppArgs.from_dict(bad)
 
 
 # ---- deploy/ ------------------------------------------------------------------------------------
