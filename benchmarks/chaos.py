@@ -179,8 +179,11 @@ def object_store_summary(samples: list[tuple[int, int]], faults: list[dict]) -> 
 
 def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
     server = LaunchedServer([*CHAOS_FLAGS, *serve_args], command="serve")
+    phases: dict[str, float] = {}
+    clock = time.monotonic()
     try:
         address, metrics_url, info = server.start()
+        phases["start"] = time.monotonic() - clock
         plan = plan_calls(config.num_calls, config.mix, info.vocab_size, info.max_model_len, config.seed)
         whole = [call.whole() for call in plan if not call.malformed]
         drain = [c for c in whole if c.max_tokens >= 8][: config.drain_calls]
@@ -191,8 +194,9 @@ def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
             try:
                 started = time.monotonic()
                 reference = await drive(doors, whole, config)
-                log(f"  reference: {len(reference)} calls in {time.monotonic() - started:.0f} s")
                 await asyncio.to_thread(wait_pool_whole, metrics_url)
+                phases["reference"] = time.monotonic() - started
+                log(f"  reference: {len(reference)} calls in {phases['reference']:.0f} s")
                 started = time.monotonic()
                 probe = object_store_probe(gcs) if gcs else None
                 with Sampler(server, config.sample_interval_s, probe) as sampler, \
@@ -201,9 +205,11 @@ def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
                         sampler.done = schedule.done = count
 
                     chaos = await drive(doors, plan, config, done)
-                seconds = time.monotonic() - started
+                seconds = phases["chaos"] = time.monotonic() - started
                 metrics = await asyncio.to_thread(wait_pool_whole, metrics_url, 30.0)
+                started = time.monotonic()
                 drained = await drain_check(server, doors, drain, reference, config)
+                phases["drain"] = time.monotonic() - started
             finally:
                 await doors.close()
             return {"reference": reference, "chaos": chaos, "seconds": seconds, "metrics": metrics,
@@ -226,6 +232,7 @@ def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
             "rss_by_process": growth_by_process(sampler.by_process, len(plan)),
             "object_store_mib": object_store_summary(sampler.object_store_bytes, ran["schedule"].injected),
             "drain": ran["drain"],
+            "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         })
         return result
     finally:
