@@ -91,6 +91,8 @@ class FaultSchedule:
         self.server, self.config, self.log = server, config, log
         self.done = 0
         self.injected: list[dict] = []
+        self.injected_at: list[float] = []  # time.monotonic() of each fault, and of each recovery
+        self.recovered_at: list[float] = []
         self.faults: list[FaultKind] = []
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -115,12 +117,15 @@ class FaultSchedule:
             record: dict = {"kind": kind, "after_calls": self.done}
             try:
                 record["what"] = fault.inject(value)
+                self.injected_at.append(time.monotonic())
             except Exception as e:  # noqa: BLE001 - reported: a fault that could not be done
                 record["error"] = repr(e)
                 self.injected.append(record)
                 continue
             seconds = wait_recovered(fault, self.config.recover_bound_s)
             record["recovered_after_s"] = None if seconds is None else round(seconds, 2)
+            record["recovered_at_calls"] = self.done
+            self.recovered_at.append(time.monotonic())
             self.log(f"  fault {kind}: {record['what']}; recovered after {record['recovered_after_s']} s")
             self.injected.append(record)
 
@@ -164,17 +169,30 @@ def rss_bound(samples: list[tuple[float, int, int]]) -> dict:
             "peak_mib": round(max(b for *_, b in samples) / mib, 1), "growth_mib": round((final - start) / mib, 1)}
 
 
-def object_store_summary(samples: list[tuple[int, int]], faults: list[dict]) -> dict:
-    """Bytes in use in Ray's object store over the chaos run, MiB: start, peak, final, and the
-    curve (calls ended, MiB) at about 20 points with the calls at which each fault came."""
+def object_store_summary(samples: list[tuple[float, int, int]], schedule: FaultSchedule) -> dict:
+    """Bytes in use in Ray's object store over the chaos run, MiB: start, peak, final, the curve
+    (calls ended, MiB) at about 20 points, and `growth_between_faults`: the most it grew from
+    one recovery to the next fault (or the end) — what the calls themselves leave behind. What a
+    fault leaves is apart from that: Ray frees a compiled graph's shared-memory channels only
+    with the process that made them (ray-project/ray#43836), so each restart of the worker group
+    leaves its old graph's buffers in the engine actor until the engine itself is replaced."""
     mib = 2**20
     if not samples:
-        return {"samples": 0, "start": None, "peak": None, "final": None, "curve": []}
+        return {"samples": 0, "start": None, "peak": None, "final": None, "curve": [],
+                "growth_between_faults": None}
     step = max(1, len(samples) // 20)
-    return {"samples": len(samples), "start": round(samples[0][1] / mib, 2),
-            "peak": round(max(b for _, b in samples) / mib, 2), "final": round(samples[-1][1] / mib, 2),
-            "curve": [(done, round(b / mib, 2)) for done, b in samples[::step]],
-            "faults_at_calls": [f["after_calls"] for f in faults]}
+    starts = [samples[0][0], *schedule.recovered_at]
+    ends = [*schedule.injected_at, samples[-1][0] + 1][: len(starts)]
+    growth = 0
+    for low, high in zip(starts, ends):
+        inside = [b for at, _, b in samples if low <= at < high]
+        if len(inside) > 1:
+            growth = max(growth, inside[-1] - inside[0])
+    return {"samples": len(samples), "start": round(samples[0][2] / mib, 2),
+            "peak": round(max(b for *_, b in samples) / mib, 2), "final": round(samples[-1][2] / mib, 2),
+            "growth_between_faults": round(growth / mib, 2),
+            "curve": [(done, round(b / mib, 2)) for _, done, b in samples[::step]],
+            "faults_at_calls": [f["after_calls"] for f in schedule.injected]}
 
 
 def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
@@ -230,7 +248,7 @@ def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
             "rss": rss_summary(sampler.rss, len(plan)),
             "rss_bound": rss_bound(sampler.rss),
             "rss_by_process": growth_by_process(sampler.by_process, len(plan)),
-            "object_store_mib": object_store_summary(sampler.object_store_bytes, ran["schedule"].injected),
+            "object_store_mib": object_store_summary(sampler.object_store_bytes, ran["schedule"]),
             "drain": ran["drain"],
             "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         })
@@ -239,13 +257,13 @@ def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
         server.kill()
 
 
-def passed(result: dict, max_rss_growth_mib: float = 64.0, max_object_store_mib: float = 64.0) -> bool:
+def passed(result: dict, max_rss_growth_mib: float = 64.0, max_object_store_growth_mib: float = 8.0) -> bool:
     return (result["lost"] == 0 and result["mismatches"] == 0 and result["malformed_misanswered"] == 0
             and result["reference_failed"] == 0 and result["pool_whole"]
             and all(k["not_recovered"] == 0 for k in result["recovery_by_kind"].values())
             and all("error" not in f for f in result["faults"])
             and result["rss_bound"]["growth_mib"] <= max_rss_growth_mib
-            and (result["object_store_mib"]["peak"] or 0) <= max_object_store_mib
+            and (result["object_store_mib"]["growth_between_faults"] or 0) <= max_object_store_growth_mib
             and result["drain"]["finished_whole"] == result["drain"]["calls"]
             and result["drain"]["exit_code"] == 0)
 

@@ -62,7 +62,7 @@ class FaultKind(ABC):
 class _ProcessFault(FaultKind):
     """A fault on an actor process of a `LaunchedServer`'s session; recovered once none of the
     processes of that actor class at injection time is left, as many new ones run, and the
-    server's health is SERVING."""
+    server serves (`serving`)."""
 
     actor = WORKER_ACTOR
     sig = signal.SIGKILL
@@ -111,13 +111,19 @@ class WorkerHang(_ProcessFault):
                 pass
 
 
-def serving(server: LaunchedServer) -> bool:
+def serving(server: LaunchedServer, probe_timeout_s: float = 3.0) -> bool:
+    """Health SERVING and a two-token greedy request served: the engine steps again (a worker
+    group's health stays SERVING while it restarts; its new processes run before they serve)."""
     from raypaged.client import Client, RequestError
 
     assert server.address is not None
     try:
         with Client(server.address) as client:
-            return client.health(timeout=2) == "SERVING"
+            if client.health(timeout=2) != "SERVING":
+                return False
+            result = client.generate([3, 4, 5], max_tokens=2, temperature=0.0, ignore_eos=True,
+                                     timeout=probe_timeout_s)
+            return len(result.outputs[0].token_ids) == 2
     except RequestError:
         return False
 

@@ -45,7 +45,7 @@ class Sampler:
         self.server = server
         self.interval_s = interval_s
         self.object_store = object_store
-        self.object_store_bytes: list[tuple[int, int]] = []  # (requests done, bytes)
+        self.object_store_bytes: list[tuple[float, int, int]] = []  # (time.monotonic(), requests done, bytes)
         self.rss: list[tuple[float, int, int]] = []  # (seconds, requests done, bytes)
         self.by_process: list[tuple[int, dict[int, tuple[str, int]]]] = []  # (requests done, per process)
         self.health: Counter = Counter()
@@ -72,7 +72,7 @@ class Sampler:
                 self.rss.append((time.monotonic() - self._started, done, sum(rss for _, rss in sizes.values())))
                 self.by_process.append((done, sizes))
                 if self.object_store is not None and (used := self.object_store()) is not None:
-                    self.object_store_bytes.append((done, used))
+                    self.object_store_bytes.append((time.monotonic(), done, used))
                 try:
                     self.health[client.health(timeout=5)] += 1
                 except RequestError as e:

@@ -33,7 +33,9 @@ from benchmarks.lib.chaos_plan import (
 from tests.support.checkpoints import checkpoint_dir
 
 MAX_RSS_GROWTH_MIB = 96  # a fault's new processes settle a little above the ones they replace
-MAX_OBJECT_STORE_MIB = 128
+# Between faults the calls leave nothing in the object store; each worker-group restart leaves
+# its old compiled graph's channels (~19 MiB here) until the engine is replaced (ray#43836).
+MAX_OBJECT_STORE_GROWTH_MIB = 8
 
 
 def test_plan_is_seeded_mixed_and_fits_the_model():
@@ -127,10 +129,11 @@ def assert_chaos_survived(result: dict, config: ChaosConfig) -> None:
     assert result["pool_whole"], result["pool"]
     assert result["rss_bound"]["growth_mib"] < MAX_RSS_GROWTH_MIB, result["rss_bound"]
     assert result["object_store_mib"]["samples"] >= 3
-    assert result["object_store_mib"]["peak"] < MAX_OBJECT_STORE_MIB, result["object_store_mib"]
+    assert result["object_store_mib"]["growth_between_faults"] <= MAX_OBJECT_STORE_GROWTH_MIB, \
+        result["object_store_mib"]
     assert result["drain"] == {"calls": config.drain_calls, "finished_whole": config.drain_calls,
                                "exit_code": 0, "processes_left": 0}
-    assert passed(result, MAX_RSS_GROWTH_MIB, MAX_OBJECT_STORE_MIB)
+    assert passed(result, MAX_RSS_GROWTH_MIB, MAX_OBJECT_STORE_GROWTH_MIB)
 
 
 @pytest.mark.integration
