@@ -22,21 +22,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Self
 
 import grpc
 
+# scrape: re-exported for the benchmarks that took it from here (bench_serving).
+from benchmarks.lib.launched_server import LaunchedServer, pool_whole, wait_pool_whole
+from benchmarks.lib.launched_server import scrape as scrape
+from benchmarks.lib.server_sampler import Sampler, growth_by_process, rss_summary
 from raypaged.client import AsyncClient, RequestError
 
 
@@ -180,192 +177,10 @@ async def drive(address: str, plan: list[PlannedRequest], config: SoakConfig,
     return sorted(outcomes, key=lambda o: o.index)
 
 
-# ---- the server under test ---------------------------------------------------------------------
-
-_READY = re.compile(r"raypaged ready: .* on (\S+):(\d+), metrics on (http://\S+/metrics)")
-
-
-class LaunchedServer:
-    """`raypaged launch` in a session of its own, so that every process it starts (Ray's
-    included) can be found, measured and, at the end, checked gone."""
-
-    def __init__(self, launch_args: list[str], env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "raypaged.cli", "launch", "--port", "0", "--metrics-port", "0",
-             *launch_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.log: list[str] = []
-        self.address = self.metrics_url = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_log, daemon=True).start()
-
-    def _read_log(self) -> None:
-        for line in self.process.stdout:
-            self.log.append(line)
-            match = _READY.search(line)
-            if match and not self._ready.is_set():
-                self.address, self.metrics_url = f"{match[1]}:{match[2]}", match[3]
-                self._ready.set()
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._ready.wait(0.5):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("raypaged launch did not become ready:\n" + "".join(self.log[-30:]))
-
-    def session_pids(self) -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if os.getsid(int(entry)) == self.process.pid:
-                        pids.append(int(entry))
-                except OSError:  # gone meanwhile
-                    pass
-        return pids
-
-    def rss_by_process(self) -> dict[int, tuple[str, int]]:
-        """pid -> (name, RSS in bytes) of each process of the session (Ray names its workers
-        after their actor and task: ray::EngineActor.get_outputs, ray::RayWorkerActor…)."""
-        sizes = {}
-        for pid in self.session_pids():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-                with open(f"/proc/{pid}/status") as f:
-                    rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-            except OSError:  # gone meanwhile
-                continue
-            name = os.path.basename(argv[0].decode(errors="replace")) or "?"
-            if name.startswith("python") and len(argv) > 1:
-                name = " ".join(os.path.basename(a.decode(errors="replace")) for a in argv[1:4])
-            sizes[pid] = (name[:60], rss)
-        return sizes
-
-    def stop(self, timeout_s: float = 120.0) -> int:
-        """SIGTERM, then the exit status (SIGKILL to everything left if it does not exit)."""
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.process.wait()
-
-    def kill(self) -> None:
-        for pid in self.session_pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-
-def scrape(metrics_url: str) -> dict[str, float]:
-    """The unlabelled-by-reason gauges and counters of a /metrics page, by sample name."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items())
-                                        if k not in ("model_name", "engine"))
-            values[key] = sample.value
-    return values
-
-
-def pool_whole(metrics: dict[str, float]) -> bool:
-    return (metrics.get("raypaged_kv_cache_free_blocks") == metrics.get("raypaged_kv_cache_blocks")
-            and metrics.get("raypaged_num_requests_running") == 0
-            and metrics.get("raypaged_num_requests_waiting") == 0)
-
-
-class Sampler:
-    """RSS and health sampled in a thread while the load runs."""
-
-    def __init__(self, server: LaunchedServer, interval_s: float = 1.0) -> None:
-        self.server = server
-        self.interval_s = interval_s
-        self.rss: list[tuple[float, int, int]] = []  # (seconds, requests done, bytes)
-        self.by_process: list[tuple[int, dict[int, tuple[str, int]]]] = []  # (requests done, per process)
-        self.health: Counter = Counter()
-        self.done = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Self:
-        self._started = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        from raypaged.client import Client
-
-        with Client(self.server.address) as client:
-            while not self._stop.is_set():
-                done, sizes = self.done, self.server.rss_by_process()
-                self.rss.append((time.monotonic() - self._started, done, sum(rss for _, rss in sizes.values())))
-                self.by_process.append((done, sizes))
-                try:
-                    self.health[client.health(timeout=5)] += 1
-                except RequestError as e:
-                    self.health[e.code.name] += 1
-                self._stop.wait(self.interval_s)
-
-
-def rss_summary(samples: list[tuple[float, int, int]], num_requests: int) -> dict:
-    """Memory after warm-up (the first 20% of requests) against the end of the run, and over the
-    second half alone: a leak grows with the requests served (the second half grows as much as
-    the first), warm-up does not. `curve` is (requests done, MiB) at about 20 points."""
-    mib = 1024 * 1024
-
-    def first_at(fraction: float) -> int:
-        return next((b for _, done, b in samples if done >= fraction * num_requests), samples[-1][2])
-
-    final, peak = samples[-1][2], max(b for *_, b in samples)
-    step = max(1, len(samples) // 20)
-    return {"after_warmup_mib": round(first_at(0.2) / mib, 1), "final_mib": round(final / mib, 1),
-            "peak_mib": round(peak / mib, 1), "growth_mib": round((final - first_at(0.2)) / mib, 1),
-            "growth_second_half_mib": round((final - first_at(0.5)) / mib, 1),
-            "samples": len(samples),
-            "curve": [(done, round(b / mib, 1)) for _, done, b in samples[::step]]}
-
-
-def growth_by_process(samples: list[tuple[int, dict[int, tuple[str, int]]]], num_requests: int) -> dict:
-    """MiB each process grew from the end of warm-up to the end, largest first (where the
-    memory goes if the total grows; processes started or gone meanwhile count from or to 0),
-    with the RSS curve (requests done, MiB) of the three that grew most."""
-    start = next((sizes for done, sizes in samples if done >= 0.2 * num_requests), samples[0][1])
-    end = samples[-1][1]
-    growth = {}
-    for pid in start.keys() | end.keys():
-        growth[pid] = (end.get(pid, ("", 0))[1] - start.get(pid, ("", 0))[1]) / 2**20
-    top = sorted(growth, key=lambda pid: -abs(growth[pid]))[:8]
-
-    def label(pid: int) -> str:
-        name, _ = end.get(pid) or start[pid]
-        return f"{name} {pid}" + ("" if pid in start and pid in end else " (new)" if pid in end else " (gone)")
-
-    step = max(1, len(samples) // 20)
-    return {"growth_mib": {label(pid): round(growth[pid], 1) for pid in top},
-            "curves_mib": {label(pid): [(done, round(sizes[pid][1] / 2**20, 1))
-                                        for done, sizes in samples[::step] if pid in sizes]
-                           for pid in top[:3]}}
-
-
 def run_soak(launch_args: list[str], config: SoakConfig, log=print) -> dict:
     server = LaunchedServer(launch_args)
     try:
-        server.wait_ready()
-        from raypaged.client import Client
-
-        with Client(server.address) as client:
-            info = client.model_info()
+        address, metrics_url, info = server.start()
         plan = plan_requests(config, info.vocab_size, info.max_model_len)
         started = time.monotonic()
         with Sampler(server, config.sample_interval_s) as sampler:
@@ -374,11 +189,9 @@ def run_soak(launch_args: list[str], config: SoakConfig, log=print) -> dict:
                 if done % max(1, config.num_requests // 10) == 0:
                     log(f"  {done}/{config.num_requests} requests ended ({time.monotonic() - started:.0f} s)")
 
-            outcomes = asyncio.run(drive(server.address, plan, config, progress))
+            outcomes = asyncio.run(drive(address, plan, config, progress))
         seconds = time.monotonic() - started
-        deadline = time.monotonic() + 15  # the engine stats reach the metrics once a second
-        while not pool_whole(metrics := scrape(server.metrics_url)) and time.monotonic() < deadline:
-            time.sleep(0.25)
+        metrics = wait_pool_whole(metrics_url)
         exit_code = server.stop()
         left = server.session_pids()
         return summarize(config, info, outcomes, seconds, metrics, sampler, exit_code, left)

@@ -64,6 +64,9 @@
 #                compile times (carry .whl: xgrammar's wheels in .whl/structured/) -> structured_8b_h200.json, .png, ~3
 #   tp           tensor parallelism at TP 1 and 2 (kind nvidia-h200-x2) [Ray] -> tp_8b_h200.json, .png, ~4
 #   faults       a TP=2 rank killed / raising / hanging (kind nvidia-h200-x2) [Ray] -> faults_h200x2.json, ~2
+#   chaos        the chaos soak on the demo model (fp32) over gRPC and HTTP at TP 1 with a Ray worker
+#                actor: engine actor SIGKILLed, worker SIGKILLed and hung, once each; every stream
+#                checked against a fault-free run [Ray] -> chaos_h200.json, (not yet run)
 #   all          every one-GPU suite above, in order (longer than one device call: name suites instead)
 # A suite's failure is reported and the next suite still runs; the exit status is 1 if any failed.
 set -uo pipefail
@@ -74,7 +77,7 @@ LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 quality prefill throughput reservation
          kvcapacity serving serving-multiturn serving-multitenant serving-host-tier serving-swap channel staging
-         sampler structured)
+         sampler structured chaos)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
@@ -220,6 +223,10 @@ print(table_path(torch.cuda.get_device_name()))')" --out "$OUT_DIR" ;;
             --context 1024 --decode-steps 30 --throughput-batch 256 --prompt-len 512 --output-len 256 \
             --profile-steps 20 --out "$OUT_DIR" ;;
         faults) use_ray && bench faults 240 python3 -m benchmarks.bench_faults --out "$OUT_DIR" ;;
+        # CUDA state, graphs and the KV pool rebuilt after each fault; fp32 so that the reference
+        # run's greedy tokens do not hang on bf16 near-ties between batch compositions.
+        chaos) use_ray && bench chaos 560 python3 -m benchmarks.chaos --num-calls 400 --concurrency 16 \
+            --faults 3 --name h200 --out "$OUT_DIR" -- --dtype float32 --max-num-seqs 64 ;;
     esac
 }
 SUITES=" ${ONE_GPU[*]} tests-kernels tests-engine tp faults all "

@@ -166,8 +166,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
         # Ray's GCS keeps the events of up to 100,000 tasks (~200 MiB); the engine makes one
         # task per step, so a busy server reaches that in minutes. 10,000 bounds it at a tenth.
         os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")
-        # address None starts a local Ray; "auto" or HOST:PORT joins a running cluster.
-        ray.init(address=config.parallel.ray_address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=ray_init_address(config.parallel.ray_address), include_dashboard=False,
+                 log_to_driver=True)
     engine: EngineHandle | None = None
     try:
         if args.data_parallel_size > 1:
@@ -223,6 +223,19 @@ async def serve(config: EngineConfig, args: argparse.Namespace, attach: Attach |
             await engine.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def ray_init_address(setting: str | None) -> str | None:
+    """What `ray.init(address=...)` gets for the --ray-address setting: "auto" or HOST:PORT join
+    that cluster; unset, the cluster RAY_ADDRESS names (a KubeRay pod's) or else a local Ray of
+    this server's own ("local"). Never a bare None without RAY_ADDRESS: Ray's None joins whatever
+    cluster `ray start` last started on this host (its /tmp/ray/ray_current_cluster), someone
+    else's included, and the server then lives and dies with it."""
+    import os
+
+    if setting:
+        return setting
+    return None if os.environ.get("RAY_ADDRESS") else "local"
 
 
 def _on_signal(server, sig, logger, stop_attached) -> None:
