@@ -3,6 +3,10 @@ import os
 # Triton kernels run in the interpreter on machines without a GPU. Must be set before triton
 # is imported anywhere.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every Ray a test starts is its own: a bare ray.init() (and the servers the tests launch, which
+# inherit this) would otherwise join whatever cluster `ray start` or another test run left on
+# the host, and fail there. An explicit address (a test's own multi-node cluster) still wins.
+os.environ.setdefault("RAY_ADDRESS", "local")
 
 import contextlib
 import multiprocessing.process
