@@ -4,6 +4,7 @@ TP workers under the actor, and a dead engine answered at once."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import ray
@@ -105,3 +106,45 @@ def test_dead_engine_is_reported_at_once():
         await client.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+class _GoneEngine:
+    """The engine the supervisor replaces (already stopped)."""
+
+    async def shutdown(self, timeout_s: float = 60.0) -> None:
+        return None
+
+
+def test_an_engine_the_cluster_cannot_place_fails_its_start_in_bounded_time():
+    """No capacity: start gives up after placement_timeout_s + ray_start_timeout_s and kills
+    the actor; the supervisor counts it as a failed start (and gives up after max_attempts)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raypaged.engine.client import EngineStartTimeoutError
+    from raypaged.frontend.supervisor import EngineSupervisor, RestartPolicy
+
+    config = EngineConfig(model=str(checkpoint_dir("llama")), placement_timeout_s=0.5, ray_start_timeout_s=0.5)
+    unplaceable = placement_group([{"CPU": 64}])  # more than the cluster has: never placed
+    strategy = PlacementGroupSchedulingStrategy(unplaceable)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(EngineStartTimeoutError, match="did not start within 1 s"):
+            await AsyncEngineClient.start(config, scheduling_strategy=strategy)
+        assert loop.time() - began < 10
+        supervisor = EngineSupervisor(lambda: AsyncEngineClient.start(config, scheduling_strategy=strategy),
+                                      RestartPolicy(initial_backoff_s=0, max_backoff_s=0, max_attempts=1))
+        assert await supervisor.replace(_GoneEngine()) is None  # type: ignore[arg-type]
+        assert supervisor.num_failed_attempts == 1 and supervisor.num_restarts == 0
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    finally:
+        remove_placement_group(unplaceable)
+    for _ in range(100):  # killing is asynchronous
+        if "EngineActor" not in live_actors():
+            break
+        time.sleep(0.1)
+    assert "EngineActor" not in live_actors()
