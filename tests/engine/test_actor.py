@@ -148,3 +148,34 @@ def test_an_engine_the_cluster_cannot_place_fails_its_start_in_bounded_time():
             break
         time.sleep(0.1)
     assert "EngineActor" not in live_actors()
+
+
+def test_a_grouped_engine_reports_the_hashes_a_router_computes():
+    """Gemma 2 (a full and a sliding group): the cache events the engine's outputs carry are the
+    plain chain's values of the tokens it computed (prefix_hash_values, what a data-parallel
+    router hashes), the other group's never; and a second prompt with that prefix hits it."""
+    from raypaged.core.block_hashing import block_hasher, prefix_hash_values
+    from raypaged.core.block_pool import read_event
+
+    name, block = "gemma2", 8
+    prefix, tail = random_prompts([3 * block, 2], vocab_of(name), seed=31)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def scenario():
+        client = await AsyncEngineClient.start(EngineConfig(model=str(checkpoint_dir(name)), block_size=block))
+        events: list[int] = []
+        client.on_batch = lambda batch, load: events.extend(batch)
+        try:
+            output = await collect(client, Request("first", prefix + [tail[0]], params))
+            assert output == hf_greedy(checkpoint_dir(name), tuple(prefix + [tail[0]]), 3)
+            stored = [e.hash_value for e in map(read_event, events) if e.stored]
+            computed = prefix_hash_values(prefix + [tail[0]] + output, block, None, block_hasher("sha256"))
+            assert stored and set(stored) <= set(computed)
+            assert stored[:3] == prefix_hash_values(prefix, block, None, block_hasher("sha256"))
+            await collect(client, Request("second", prefix + tail, params))
+            stats = (await client.actor.stats.remote())["scheduler"]
+            assert stats.kv_cache.prefix_cache_hits >= 3 * block
+        finally:
+            await client.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
