@@ -15,7 +15,7 @@ least-recently-freed first (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple
 
 from raypaged.core.block_hashing import ROOT_HASH, BlockHasher, builtin_block_hash
@@ -103,9 +103,13 @@ class CacheEventLog:
 class BlockPool(BlockPoolBase, CacheEventLog):
     """The GPU tier: reference-counted blocks, the free queue, the prefix cache's events."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 reports: Callable[[BlockHash], bool] | None = None) -> None:
+        """reports: which cached blocks' events the pool keeps (None: every block's); a manager
+        whose pool holds several chains reports only the one a router can compute."""
         super().__init__(num_blocks)
         self.enable_caching = enable_caching
+        self._reports = reports
         # Read directly by the KV cache manager on its hot path; only this class writes it.
         self.ref_cnt: list[int] = [0] * num_blocks
         # An ordered set: O(1) append, pop-oldest and removal from the middle (a prefix hit on a
@@ -135,7 +139,7 @@ class BlockPool(BlockPoolBase, CacheEventLog):
             if cached is not None:
                 del self._cached[cached.hash_value]
                 block_hash[block_id] = None
-                if self.events is not None:
+                if self.events is not None and (self._reports is None or self._reports(cached)):
                     self.events.append(removed_event(cached.hash_value))
             ref_cnt[block_id] = 1
             blocks.append(block_id)
@@ -190,7 +194,7 @@ class BlockPool(BlockPoolBase, CacheEventLog):
         if self._cached.setdefault(block_hash.hash_value, block_id) != block_id:
             return False  # another block caches these contents already (or collides with them)
         self.block_hash[block_id] = block_hash
-        if self.events is not None:
+        if self.events is not None and (self._reports is None or self._reports(block_hash)):
             self.events.append(stored_event(block_hash.hash_value))
         return True
 
@@ -200,7 +204,9 @@ class BlockPool(BlockPoolBase, CacheEventLog):
         if len(self._free) != self.num_blocks:
             return False
         if self.events is not None:
-            self.events += [removed_event(value) for value in self._cached]
+            reports, block_hash = self._reports, self.block_hash
+            self.events += [removed_event(value) for value, block_id in self._cached.items()
+                            if reports is None or reports(block_hash[block_id])]  # type: ignore[arg-type]
         self._forget_cached()
         return True
 

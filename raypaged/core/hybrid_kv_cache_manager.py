@@ -12,12 +12,17 @@ holds at most ceil((W - 1) / B) + 1 <= ceil(W / B) + 1 blocks per sliding group,
 of n tokens cdiv(W - 1 + n, B) + 1. Dropping is not a rewrite: the workers' stale ids sit where a
 sliding layer never reads.
 
-Prefix caching. Each group hashes its own chain (the group index is in every block's keys, so
-two groups never claim one block). A full group hits on its leading cached blocks. A sliding
-group can resume at L blocks if the blocks its window needs there, L*B - W + 1 .. L*B - 1, are
-cached (what fell out of the window is NULL in the hit). The hit is the longest L that every
-group can serve (as vLLM's coordinator does); a dropped sliding block stays findable until the
-pool evicts it, like any freed cached block.
+Prefix caching. Each group hashes its own chain, so two groups never claim one block: the
+routed group (the first full-attention group, else group 0) hashes the plain chain, as
+KVCacheManager does (its keys only the salt: core/block_hashing.py prefix_hash_values gives a
+data-parallel router the same values), every other group's keys start with its index. The
+pool's cache events report the routed group's blocks only: the router hashes one chain.
+
+A full group hits on its leading cached blocks. A sliding group can resume at L blocks if the
+blocks its window needs there, L*B - W + 1 .. L*B - 1, are cached (what fell out of the window
+is NULL in the hit). The hit is the longest L that every group can serve (as vLLM's coordinator
+does); a dropped sliding block stays findable until the pool evicts it, like any freed cached
+block.
 
 Fork shares every live block of every group; copy-on-write is per group (each group's partial
 tail is its own block). Stats count each held block once, O(live blocks).
@@ -25,10 +30,10 @@ tail is its own block). Stats count each held block once, O(live blocks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from raypaged.core.block_hashing import DEFAULT_HASH_ALGO, block_hasher
+from raypaged.core.block_hashing import DEFAULT_HASH_ALGO, block_hasher, request_extra_keys
 from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
 from raypaged.core.errors import UnknownRequestError
 from raypaged.core.kv_cache_groups import KVCacheGroupSpec
@@ -36,6 +41,12 @@ from raypaged.core.kv_cache_interface import KVCacheStats, PagedKVCacheManagerBa
 from raypaged.core.request import Request
 
 NULL_BLOCK_ID = -1  # a table position whose block fell out of the window (never read)
+
+
+def is_routed_block(block_hash: BlockHash) -> bool:
+    """A block of the routed group's chain: its keys carry no group index (only a salt, a str)."""
+    keys = block_hash.extra_keys
+    return not keys or type(keys[0]) is not int
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -71,7 +82,10 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
         self.groups = tuple(groups)
         self.enable_prefix_caching = enable_prefix_caching
         self.max_tokens_per_step = max_tokens_per_step
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
+                                    reports=is_routed_block)
+        # The group whose chain is the plain one (see the module docstring).
+        self.routed_group = next((g for g, spec in enumerate(self.groups) if not spec.is_sliding), 0)
         self._requests: dict[str, _HybridRequest] = {}
         self._copies: list[tuple[int, int]] = []
         self._prefix_cache_queries = 0
@@ -96,7 +110,11 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
     def _hashes(self, state: _HybridRequest, g: int, num_blocks: int) -> list[BlockHash]:
         hashes, B = state.groups[g].hashes, self.block_size
         tokens, salt = state.request.all_token_ids, state.request.cache_salt
-        keys = (g, salt) if salt else (g,)
+        keys: tuple[Hashable, ...] | None
+        if g == self.routed_group:
+            keys = request_extra_keys(salt)
+        else:
+            keys = (g, salt) if salt else (g,)
         parent = hashes[-1] if hashes else None
         for start in range(len(hashes) * B, num_blocks * B, B):
             parent = hash_block_tokens(parent, tuple(tokens[start:start + B]), keys, self._hasher)

@@ -49,6 +49,15 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
+class EngineStartTimeoutError(RuntimeError):
+    """A new engine was not ready within its start-up bound (AsyncEngineClient.start); its
+    actor is killed. The supervisor counts it as a failed start, as any other."""
+
+
+async def _awaited(ref: ray.ObjectRef[Any]) -> Any:
+    return await ref
+
+
 class AsyncEngineClient(EngineClient):
     def __init__(self, actor: ray.actor.ActorHandle[EngineActor], model_info: dict[str, Any]) -> None:
         self.actor = actor
@@ -86,8 +95,17 @@ class AsyncEngineClient(EngineClient):
             options.update(scheduling_strategy=scheduling_strategy)
         # Ray types what .remote() makes as ActorProxy, a handle or the class itself.
         actor = cast("ray.actor.ActorHandle[EngineActor]", ray.remote(EngineActor).options(**options).remote(config))
+        # Bounded: an actor the cluster can never place (no room for it, or its placement group
+        # never placed) would otherwise be waited for forever. The engine's own waits, for its
+        # worker group's placement and start-up, end within the two settings first.
+        bound_s = config.parallel.placement_timeout_s + config.parallel.ray_start_timeout_s
         try:
-            info = await actor.model_info.remote()
+            info = await asyncio.wait_for(_awaited(actor.model_info.remote()), bound_s)
+        except TimeoutError:
+            ray.kill(actor, no_restart=True)
+            raise EngineStartTimeoutError(
+                f"the engine did not start within {bound_s:g} s (placement_timeout_s + "
+                "ray_start_timeout_s): the cluster has no room for it, or its start-up hangs") from None
         except ray.exceptions.RayError as e:
             ray.kill(actor, no_restart=True)
             raise _unwrap(e) from None

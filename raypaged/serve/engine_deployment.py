@@ -32,7 +32,7 @@ from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.prefix_router import PrefixRouter
 from raypaged.serve.args import ServeAppArgs
-from raypaged.serve.prefix_request_router import routing_value
+from raypaged.serve.prefix_request_router import routing_stats
 from raypaged.serve.ray_metrics import RayMetricsMirror
 from raypaged.serve.route_hint import RouteHint
 
@@ -99,10 +99,7 @@ class EngineDeployment:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the request router (serve/prefix_request_router.py) reads of this replica."""
-        state = self._cache_view.replicas[0]
-        load = state.load or EngineLoad(0, 0, 0.0)
-        return {"cached": [routing_value(v) for v in state.cached], "num_waiting": load.num_waiting,
-                "num_running": load.num_running, "kv_usage": load.kv_usage}
+        return routing_stats(self._cache_view.replicas[0])
 
     async def engine_stats(self, route: RouteHint | None = None) -> dict[str, Any]:
         stats = await self.engine.actor.stats.remote()

@@ -3,7 +3,8 @@
 
 What it sees of each replica comes from the replica's `record_routing_stats` (Serve polls it
 every `request_routing_stats_period_s`, serve/app.py sets 1 s): the hash values its prefix cache
-holds (cut to 64 bits: `routing_value`) and its engine's load. Between polls, the router's own
+holds, on the GPU and in the host tier (cut to 64 bits: `routing_value`; a host block weighs
+the router's `host_weight`), and its engine's load. Between polls, the router's own
 count of requests routed to a replica and not yet answered, and their prompt blocks (pending
 there), cover what the snapshot has not caught up with.
 
@@ -91,10 +92,22 @@ def route_hint_of(pending: PendingRequest | None) -> RouteHint:
     return hint if isinstance(hint, RouteHint) else RouteHint()
 
 
+def routing_stats(state: ReplicaState) -> dict[str, Any]:
+    """A replica's view of its own engine (its cache events replayed into `state`) as its
+    record_routing_stats sends it: both tiers' hash values and the engine's load."""
+    load = state.load or EngineLoad(0, 0, 0.0)
+    return {"cached": [routing_value(v) for v in state.cached],
+            "host_cached": [routing_value(v) for v in state.host_cached],
+            "num_waiting": load.num_waiting, "num_running": load.num_running, "kv_usage": load.kv_usage}
+
+
 def apply_routing_stats(state: ReplicaState, stats: dict[str, Any]) -> None:
-    """A replica's snapshot (serve/deployment.py record_routing_stats) into the router's view."""
+    """A replica's snapshot (`routing_stats`, sent by serve/engine_deployment.py) into the router's
+    view (a snapshot without a key leaves that part as it was)."""
     if "cached" in stats:
         state.cached = set(stats["cached"])
+    if "host_cached" in stats:
+        state.host_cached = set(stats["host_cached"])
     if "num_waiting" in stats:
         state.load = EngineLoad(stats["num_waiting"], stats.get("num_running", 0), stats.get("kv_usage", 0.0))
 

@@ -84,8 +84,9 @@ def test_sliding_group_frees_out_of_window_blocks():
 
 @pytest.mark.parametrize("algo", ["builtin", "sha256"])
 def test_groups_hash_with_the_configured_chain(algo):
-    """Each group's prefix chain is prefix_caching_hash_algo's, its keys the group's index (and
-    the salt): sha256 values are the same in every process, which data parallelism relies on."""
+    """Each group's prefix chain is prefix_caching_hash_algo's: the routed (first full) group's
+    the plain chain, the others' keyed by the group's index (and the salt): sha256 values are the
+    same in every process, which data parallelism relies on."""
     from raypaged.core.block_hashing import block_hasher
 
     kv = make_kv_cache_manager(16, 2, [KVCacheGroupSpec(None), KVCacheGroupSpec(4)], hash_algo=algo)
@@ -94,11 +95,36 @@ def test_groups_hash_with_the_configured_chain(algo):
     r.num_computed_tokens = 5
     kv.cache_blocks(r, 5)
     hasher = block_hasher(algo)
-    for g in (0, 1):
+    for g, keys in ((0, None), (1, (1,))):
         hashes = kv._requests["a"].groups[g].hashes
-        first = hasher(ROOT_HASH, (5, 6), (g,))
-        assert [h.hash_value for h in hashes[:2]] == [first, hasher(first, (7, 8), (g,))]
+        first = hasher(ROOT_HASH, (5, 6), keys)
+        assert [h.hash_value for h in hashes[:2]] == [first, hasher(first, (7, 8), keys)]
     kv.free(r)
+
+
+@pytest.mark.parametrize("windows", [(4, None), (None, 4), (4,)])
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_a_grouped_engine_reports_the_routers_hashes(windows, salt):
+    """What a data-parallel router hashes of a prompt (prefix_hash_values) is what a grouped
+    engine's cache events report: the routed group's chain only, stored and then evicted."""
+    from raypaged.core.block_hashing import block_hasher, prefix_hash_values
+    from raypaged.core.block_pool import read_event
+
+    B, prompt = 2, [5, 6, 7, 8, 9, 10, 11]
+    kv = make_kv_cache_manager(12, B, [KVCacheGroupSpec(w) for w in windows], hash_algo="sha256")
+    kv.record_cache_events()
+    r = make_request("a", prompt, salt=salt)
+    kv.allocate_slots(r, len(prompt))
+    r.num_computed_tokens = len(prompt)
+    kv.cache_blocks(r, len(prompt))
+    expected = prefix_hash_values(prompt, B, salt, block_hasher("sha256"))
+    stored = [read_event(e) for e in kv.take_cache_events()]
+    assert all(e.stored and not e.host for e in stored)
+    assert [e.hash_value for e in stored] == expected
+    kv.free(r)
+    kv.block_pool.get_new_blocks(kv.num_free_blocks)  # every cached block of every group evicted
+    removed = [read_event(e) for e in kv.take_cache_events()]
+    assert not any(e.stored for e in removed) and sorted(e.hash_value for e in removed) == sorted(expected)
 
 
 # ---- random sequences ---------------------------------------------------------------------------

@@ -180,3 +180,33 @@ async def _route_hints():
     # Nothing allowed (the pinned replica is gone): no choice, and Serve backs off.
     assert await router.choose_replicas([a], pinned) == []
     assert await router.choose_replicas([a, b], ingress_call(PROMPT, route=RouteHint(avoid=frozenset("ab")))) == []
+
+
+def test_a_replicas_host_tier_reaches_the_router_and_ranks_below_the_gpu():
+    asyncio.run(_host_tier())
+
+
+async def _host_tier():
+    from raypaged.core.block_pool import removed_event, stored_event
+    from raypaged.frontend.prefix_router import PrefixRouter
+    from raypaged.serve.prefix_request_router import routing_stats
+
+    # A replica's own view: its engine evicted the prompt's blocks from the GPU into the host tier.
+    full = prefix_hash_values(PROMPT, BLOCK, None, block_hasher("sha256"))
+    view = PrefixRouter(1)
+    view.apply_events(0, [stored_event(v) for v in full])
+    view.apply_events(0, [e for v in full for e in (removed_event(v), stored_event(v, host=True))])
+    stats = routing_stats(view.replicas[0])
+    assert stats["cached"] == [] and sorted(stats["host_cached"]) == sorted(hashes(PROMPT))
+    router = make_router()
+    idle = {"cached": [], "host_cached": [], "num_waiting": 0, "num_running": 0, "kv_usage": 0.0}
+    a = FakeReplica("a", dict(idle))
+    b = FakeReplica("b", stats)
+    router.update_replicas([a, b])
+    assert (await router.choose_replicas([a, b], ingress_call(PROMPT)))[0] == [b]  # host hits beat none
+    state = router._router.replicas[router._indices[b.replica_id]]
+    assert state.host_cached == set(hashes(PROMPT)) and not state.cached
+    # The same prefix on another replica's GPU wins over b's host copy.
+    c = FakeReplica("c", {**idle, "cached": hashes(PROMPT)})
+    router.update_replicas([a, b, c])
+    assert (await router.choose_replicas([a, b, c], ingress_call(PROMPT)))[0] == [c]
