@@ -199,15 +199,20 @@ def object_store_summary(samples: list[tuple[float, int, int]], schedule: FaultS
             "faults_at_calls": [f["after_calls"] for f in schedule.injected]}
 
 
-def make_target(serve_args: list[str], fault_kinds: tuple[str, ...]) -> LaunchedServer:
-    """The server the faults need: node faults a `raypaged serve` joined to a cluster of several
-    raylets (benchmarks/lib/chaos_cluster.py), process faults one with a Ray of its own, whose
-    processes are all of its session. The two cannot be mixed in one run."""
+def check_kinds(fault_kinds: tuple[str, ...]) -> None:
+    """ValueError unless the kinds can share one target (node kinds with node kinds only)."""
     on_nodes = set(fault_kinds) & NODE_KINDS
     if on_nodes and not on_nodes >= set(fault_kinds):
         raise ValueError(f"fault kinds {', '.join(sorted(on_nodes))} run on a multi-node cluster and "
                          f"cannot be mixed with {', '.join(sorted(set(fault_kinds) - on_nodes))}")
-    if on_nodes:
+
+
+def make_target(serve_args: list[str], fault_kinds: tuple[str, ...]) -> LaunchedServer:
+    """The server the faults need: node faults a `raypaged serve` joined to a cluster of several
+    raylets (benchmarks/lib/chaos_cluster.py), process faults one with a Ray of its own, whose
+    processes are all of its session. The two cannot be mixed in one run."""
+    check_kinds(fault_kinds)
+    if set(fault_kinds) & NODE_KINDS:
         return ClusterServer([*CHAOS_FLAGS, *serve_args])
     return LaunchedServer([*CHAOS_FLAGS, *serve_args], command="serve")
 
@@ -303,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kinds) - set(FAULT_KINDS)
     if unknown:
         parser.error(f"unknown fault kinds: {', '.join(sorted(unknown))}")
+    try:
+        check_kinds(kinds)
+    except ValueError as e:
+        parser.error(str(e))
     config = ChaosConfig(num_calls=args.num_calls, concurrency=args.concurrency, num_faults=args.faults,
                          fault_kinds=kinds, seed=args.seed)
     print(f"chaos: {config.num_calls} calls, {config.concurrency} at a time, {config.num_faults} faults "
