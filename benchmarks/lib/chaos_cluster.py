@@ -96,15 +96,19 @@ class NodeCluster:
         seconds that took. Add the capacity its work is to move to first: a node takes seconds
         to join."""
         start = time.monotonic()
-        if node_id in self._processes:
-            _kill_session(self._processes.pop(node_id))
-        else:
-            self.cluster.remove_node(self._nodes.pop(node_id), allow_graceful=False)
+        self.kill_node(node_id)
         while self.alive(node_id):
             if time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"node {node_id} still alive {timeout_s:g} s after it was killed")
             time.sleep(0.05)
         return time.monotonic() - start
+
+    def kill_node(self, node_id: str) -> None:
+        """Kill that node at once (never the head), without waiting for the GCS's verdict."""
+        if node_id in self._processes:
+            _kill_session(self._processes.pop(node_id))
+        else:
+            self.cluster.remove_node(self._nodes.pop(node_id), allow_graceful=False)
 
     def shutdown(self) -> None:
         ray.shutdown()
