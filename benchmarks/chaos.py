@@ -1,6 +1,7 @@
 """Chaos soak: many streamed calls over gRPC and OpenAI HTTP against a real `raypaged serve` (both
 doors, one engine) while a seeded schedule injects faults — a worker actor SIGKILLed, the engine
-actor SIGKILLed, a worker hung (benchmarks/lib/chaos_faults.py; more kinds plug in there). The
+actor SIGKILLed, a worker hung (benchmarks/lib/chaos_faults.py; more kinds plug in there), or,
+on a cluster of several raylets, the node of the engine's workers removed (chaos_node.py). The
 calls mix greedy and seeded sampled requests (n = 2 among them), client cancels, deadlines and
 malformed requests (benchmarks/lib/chaos_plan.py). Every well-formed call is first run whole in a
 fault-free reference run on the same server; under chaos each must stream exactly the
@@ -17,6 +18,7 @@ reference's tokens (or a prefix of them, when cancelled or past its deadline):
     python -m benchmarks.chaos                              # short: 200 calls on the demo model
     python -m benchmarks.chaos --num-calls 3000 --faults 12 # long
     python -m benchmarks.chaos -- --model DIR --tp 2        # flags after -- go to raypaged serve
+    python -m benchmarks.chaos --fault-kinds node_removed --faults 2 --name nodes
 
 Writes benchmarks/results/chaos_<name>.json. tests/reliability/test_chaos.py runs a short one.
 """
@@ -35,7 +37,9 @@ from dataclasses import asdict, dataclass, field
 
 from benchmarks.lib.chaos_calls import Doors, run_call
 from benchmarks.lib.chaos_check import verdict
+from benchmarks.lib.chaos_cluster import ClusterServer
 from benchmarks.lib.chaos_faults import FAULT_KINDS, FaultKind, wait_recovered
+from benchmarks.lib.chaos_node import NODE_KINDS
 from benchmarks.lib.chaos_plan import COMPLETED, ChaosMix, PlannedCall, plan_calls
 from benchmarks.lib.launched_server import LaunchedServer, pool_whole, wait_pool_whole
 from benchmarks.lib.server_sampler import Sampler, growth_by_process, object_store_probe, rss_summary
@@ -195,8 +199,26 @@ def object_store_summary(samples: list[tuple[float, int, int]], schedule: FaultS
             "faults_at_calls": [f["after_calls"] for f in schedule.injected]}
 
 
+def check_kinds(fault_kinds: tuple[str, ...]) -> None:
+    """ValueError unless the kinds can share one target (node kinds with node kinds only)."""
+    on_nodes = set(fault_kinds) & NODE_KINDS
+    if on_nodes and not on_nodes >= set(fault_kinds):
+        raise ValueError(f"fault kinds {', '.join(sorted(on_nodes))} run on a multi-node cluster and "
+                         f"cannot be mixed with {', '.join(sorted(set(fault_kinds) - on_nodes))}")
+
+
+def make_target(serve_args: list[str], fault_kinds: tuple[str, ...]) -> LaunchedServer:
+    """The server the faults need: node faults a `raypaged serve` joined to a cluster of several
+    raylets (benchmarks/lib/chaos_cluster.py), process faults one with a Ray of its own, whose
+    processes are all of its session. The two cannot be mixed in one run."""
+    check_kinds(fault_kinds)
+    if set(fault_kinds) & NODE_KINDS:
+        return ClusterServer([*CHAOS_FLAGS, *serve_args])
+    return LaunchedServer([*CHAOS_FLAGS, *serve_args], command="serve")
+
+
 def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
-    server = LaunchedServer([*CHAOS_FLAGS, *serve_args], command="serve")
+    server = make_target(serve_args, config.fault_kinds)
     phases: dict[str, float] = {}
     clock = time.monotonic()
     try:
@@ -286,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kinds) - set(FAULT_KINDS)
     if unknown:
         parser.error(f"unknown fault kinds: {', '.join(sorted(unknown))}")
+    try:
+        check_kinds(kinds)
+    except ValueError as e:
+        parser.error(str(e))
     config = ChaosConfig(num_calls=args.num_calls, concurrency=args.concurrency, num_faults=args.faults,
                          fault_kinds=kinds, seed=args.seed)
     print(f"chaos: {config.num_calls} calls, {config.concurrency} at a time, {config.num_faults} faults "

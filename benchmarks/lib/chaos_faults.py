@@ -16,8 +16,8 @@ processes by their titles and signal them, as an OOM killer or a wedged device w
 - `worker_hang`: a TP worker SIGSTOPped, so its step never returns (the engine's step timeout
   declares the group hung and replaces it).
 
-Kinds that need more than one server process (a Serve replica killed behind an ingress; a node
-removed from a multi-node Ray cluster) plug in with `register()`, and get their own target.
+Kinds that need more than one server process plug in with `register()` and get their own
+target: `node_removed` (chaos_node.py, on chaos_cluster.py's multi-node cluster).
 """
 
 from __future__ import annotations

@@ -66,15 +66,7 @@ class LaunchedServer:
             return self.address, self.metrics_url, client.model_info()
 
     def session_pids(self) -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if os.getsid(int(entry)) == self.process.pid:
-                        pids.append(int(entry))
-                except OSError:  # gone meanwhile
-                    pass
-        return pids
+        return session_pids(self.process.pid)
 
     def pids_named(self, prefix: str) -> list[int]:
         """Processes of the session whose command line starts with `prefix` (Ray retitles an
@@ -137,6 +129,19 @@ class LaunchedServer:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def session_pids(session_id: int) -> list[int]:
+    """The processes of that session (a child started with start_new_session leads its own)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == session_id:
+                    pids.append(int(entry))
+            except OSError:  # gone meanwhile
+                pass
+    return pids
 
 
 def scrape(metrics_url: str) -> dict[str, float]:

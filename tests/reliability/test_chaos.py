@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.chaos import ChaosConfig, passed, run_chaos
+from benchmarks.chaos import ChaosConfig, make_target, passed, run_chaos
 from benchmarks.lib.chaos_check import verdict
 from benchmarks.lib.chaos_faults import FAULT_KINDS, FaultKind, register
 from benchmarks.lib.chaos_plan import (
@@ -152,3 +152,35 @@ def test_chaos_long():
                          call_bound_s=300)
     result = run_chaos(["--model", str(checkpoint_dir("llama")), *SERVE_ARGS], config, log=lambda _: None)
     assert_chaos_survived(result, config)
+
+
+def test_node_faults_are_not_mixed_with_process_faults():
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        make_target([], ("node_removed", "worker_sigkill"))
+
+
+def assert_node_chaos_survived(result: dict, config: ChaosConfig) -> None:
+    """What a run on a multi-node cluster must show: its processes are not the server's session
+    (the raylets are this process's), so RSS is the serve process's only and no processes-left
+    check applies; the rest as on one node."""
+    assert result["calls"] == config.num_calls
+    assert result["lost"] == 0, result["lost_examples"]
+    assert result["mismatches"] == 0, result["mismatch_examples"]
+    assert result["reference_failed"] == 0, result["reference_failed_examples"]
+    assert result["malformed_misanswered"] == 0, result["malformed_misanswered_examples"]
+    assert [f["kind"] for f in result["faults"]] == ["node_removed"] * config.num_faults, result["faults"]
+    assert all("error" not in f for f in result["faults"]), result["faults"]
+    assert result["recovery_by_kind"]["node_removed"]["not_recovered"] == 0, result["faults"]
+    assert result["pool_whole"], result["pool"]
+    assert result["drain"]["finished_whole"] == config.drain_calls and result["drain"]["exit_code"] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_chaos_node_removed():
+    """The node holding the engine's workers is removed twice (a spare joins first each time)."""
+    config = ChaosConfig(num_calls=40, concurrency=6, num_faults=2, seed=3, fault_kinds=("node_removed",),
+                         sample_interval_s=0.5, mix=ChaosMix(max_prompt_tokens=32, max_new_tokens=32),
+                         call_bound_s=200, recover_bound_s=200)
+    result = run_chaos(["--model", str(checkpoint_dir("llama")), *SERVE_ARGS], config, log=print)
+    assert_node_chaos_survived(result, config)

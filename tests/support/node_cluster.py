@@ -10,65 +10,22 @@ per node), to lose a node while an engine serves: tests/reliability/test_node_lo
     cluster.lose_node(where.workers[0])           # killed; returns once the GCS knows
     cluster.shutdown()
 
-A lost node is killed, not drained (its raylet and every process on it, at once). The GCS declares
-it dead after `health_check_failure_threshold` missed health checks; the head here checks every
-half second, so that is seconds, not Ray's default of tens of seconds. This process keeps the
-head (`ray.init` connects to it), so it is never the node lost. It cannot share a module's plain
-`ray.init` (tests/support/frontend_harness.py init_ray): a module makes one cluster and shuts it
-down at its end.
+The cluster (`NodeCluster`) is benchmarks/lib/chaos_cluster.py's, where its contract is; here
+is what tests add: where an engine's actor and workers run, from a handle to the engine actor.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.cluster_utils import Cluster
 
-# The GCS's verdict on a silent raylet: a check every 0.5 s, dead after 6 missed in a row. No
-# Python workers started ahead of need: a node joining on a busy machine must register within
-# Ray's fixed 30 s.
-FAST_NODE_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                               "health_check_failure_threshold": 6, "enable_worker_prestart": False}
+# The cluster itself lives with the chaos soak, which removes nodes too (benchmarks import no
+# tests/ code; tests import benchmarks').
+from benchmarks.lib.chaos_cluster import FAST_NODE_FAILURE_DETECTION, NodeCluster
 
-
-class NodeCluster:
-    def __init__(self, head_cpus: int = 0, system_config: dict[str, Any] | None = None) -> None:
-        """Start the head node and connect this process to it (ray.init)."""
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": head_cpus, "include_dashboard": False,
-            "_system_config": system_config or FAST_NODE_FAILURE_DETECTION})
-        self._nodes: dict[str, Any] = {}  # node id -> its ray._private.node.Node
-        ray.init(address=self.cluster.address, include_dashboard=False, log_to_driver=False)
-        self.head_id: str = ray.get_runtime_context().get_node_id()
-
-    def add_node(self, num_cpus: int = 1, resources: dict[str, float] | None = None) -> str:
-        """A new node, alive once this returns: its id."""
-        node = self.cluster.add_node(num_cpus=num_cpus, resources=resources or {})
-        self._nodes[node.node_id] = node
-        return str(node.node_id)
-
-    def alive(self, node_id: str) -> bool:
-        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
-
-    def lose_node(self, node_id: str, timeout_s: float = 60.0) -> float:
-        """Kill that node at once (never the head) and wait until the GCS declares it dead: the
-        seconds that took. Add the capacity its work is to move to first: a node takes seconds
-        to join."""
-        node = self._nodes.pop(node_id)
-        start = time.monotonic()
-        self.cluster.remove_node(node, allow_graceful=False)
-        while self.alive(node_id):
-            if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"node {node_id} still alive {timeout_s:g} s after it was killed")
-            time.sleep(0.05)
-        return time.monotonic() - start
-
-    def shutdown(self) -> None:
-        ray.shutdown()
-        self.cluster.shutdown()
+__all__ = ["FAST_NODE_FAILURE_DETECTION", "EngineNodes", "NodeCluster", "engine_nodes"]
 
 
 @dataclass(frozen=True)
