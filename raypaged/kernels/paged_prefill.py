@@ -215,6 +215,7 @@ VARIANTS: dict[str, dict] = {
 # On the H200 "tma" was the fastest (benchmarks/results/prefill_variants_h200.json), tma_pack and
 # tma_ws within noise of it: the simplest of the three is the default.
 CUDA_DEFAULT = "tma"
+WIDE_HEAD_VARIANT = dict(new_kv="tma", block_m=64, block_n=64, num_warps=4, num_stages=2)
 _COMMON = {"pack_gqa": False, "warp_specialize": False}
 
 
@@ -230,7 +231,20 @@ def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.devic
     if dtype == torch.float32:
         return {**_COMMON, "new_kv": "ptr", "block_m": 32, "block_n": 32, "num_warps": 4,
                 "num_stages": 2}
+    if head_dim > 128:
+        # Gemma 2's 256-wide heads: the default's 128 x 128 tiles over three stages want 450 KB
+        # of shared memory, twice what an SM has.
+        return {**_COMMON, **WIDE_HEAD_VARIANT}
     return {**_COMMON, **VARIANTS[CUDA_DEFAULT]}
+
+
+def shared_memory_bytes(config: dict, head_dim: int, element_bytes: int) -> int:
+    """Shared memory a launch config's pipelined tiles take: the Q tile, and one K and one V
+    tile per stage (what Triton's software pipeliner keeps in flight)."""
+    dim_pad = 1 << (head_dim - 1).bit_length()
+    q_tile = config["block_m"] * dim_pad * element_bytes
+    kv_tiles = 2 * config["block_n"] * dim_pad * element_bytes * config["num_stages"]
+    return q_tile + kv_tiles
 
 
 def _new_kv_usable(k_new, v_new, k_cache, q) -> bool:

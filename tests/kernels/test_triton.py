@@ -267,7 +267,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_prefill_bf16(group, head_dim):
     for pack_gqa in (False, True):
         for new_kv in (None, "ptr", "tma"):
