@@ -238,15 +238,6 @@ def default_launch_config(head_dim: int, dtype: torch.dtype, device: torch.devic
     return {**_COMMON, **VARIANTS[CUDA_DEFAULT]}
 
 
-def shared_memory_bytes(config: dict, head_dim: int, element_bytes: int) -> int:
-    """Shared memory a launch config's pipelined tiles take: the Q tile, and one K and one V
-    tile per stage (what Triton's software pipeliner keeps in flight)."""
-    dim_pad = 1 << (head_dim - 1).bit_length()
-    q_tile = config["block_m"] * dim_pad * element_bytes
-    kv_tiles = 2 * config["block_n"] * dim_pad * element_bytes * config["num_stages"]
-    return q_tile + kv_tiles
-
-
 def _new_kv_usable(k_new, v_new, k_cache, q) -> bool:
     """The step's own k/v can stand in for the new tokens' cache slots (same values, layout)."""
     if k_new is None or v_new is None:
