@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from raypaged import envs
 
 from . import reference
-from .activation import silu_and_mul_triton
+from .activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
 from .norm import add_rms_norm_triton, rms_norm_triton
 from .rope import rope_in_place_triton, rope_tables_triton
 from .validation import output_for
@@ -151,19 +151,26 @@ def _skinny_gemm_may_take(x: torch.Tensor) -> bool:
     return backend_for(x) == "triton" and not (x.is_cuda and x.dtype == torch.float32)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dim; x [T, H]."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             unit_offset: bool = False) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim; x [T, H]. unit_offset: Gemma's (1 + weight), in
+    fp32, rounded once to x's dtype."""
     if backend_for(x) == "triton":
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, unit_offset)
+    if unit_offset:
+        return reference.gemma_rms_norm_ref(x, weight, eps)
     return reference.rms_norm_ref(x, weight, eps)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); x, residual [T, H]."""
     if backend_for(x) == "triton":
-        return add_rms_norm_triton(x, residual, weight, eps)
+        return add_rms_norm_triton(x, residual, weight, eps, unit_offset)
+    if unit_offset:
+        return reference.add_gemma_rms_norm_ref(x, residual, weight, eps)
     return reference.add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -172,6 +179,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if backend_for(gate_up) == "triton":
         return silu_and_mul_triton(gate_up)
     return reference.silu_and_mul_ref(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> gelu_tanh(gate) * up, [T, I] (Gemma's GeGLU)."""
+    if backend_for(gate_up) == "triton":
+        return gelu_tanh_and_mul_triton(gate_up)
+    return reference.gelu_tanh_and_mul_ref(gate_up)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -283,6 +283,28 @@ def add_rms_norm_ref(
     return rms_norm_ref(summed, weight, eps), summed
 
 
+def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) · (1 + weight) over the last dim, all in fp32 and rounded once to x's dtype
+    (transformers' Gemma2RMSNorm: the checkpoint stores weight - 1)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_gemma_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemma_rms_norm(x + residual), x + residual)."""
+    summed = residual + x
+    return gemma_rms_norm_ref(summed, weight, eps), summed
+
+
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> gelu_tanh(gate) * up, [T, I] (Gemma's GeGLU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -6,8 +6,9 @@ for the global ones.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from raypaged.kernels import ops
 
 from .config import RopeConfig
 from .layers import MergedColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
@@ -17,18 +18,17 @@ from .rotary import RotaryEmbedding, StepRotary
 
 class GemmaRMSNorm(RMSNorm):
     """x / rms(x) · (1 + weight), all in fp32 and rounded once (transformers' Gemma2RMSNorm; the
-    checkpoint stores weight - 1). Loads like RMSNorm; over the last dim of any shape."""
+    checkpoint stores weight - 1), one kernel (ops.rms_norm's unit_offset). Loads like RMSNorm;
+    over the last dim of any shape (a [T, heads, D] view of the qkv output: each head)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        return ops.rms_norm(rows, self.weight, self.eps, unit_offset=True).view(x.shape)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = residual + x
-        return self(summed), summed
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
 
 
 class ScaledEmbedding(VocabParallelEmbedding):
@@ -57,8 +57,7 @@ class GeGLUMLP(LlamaMLP):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class LocalGlobalRotary(RotaryEmbedding):

@@ -1,4 +1,5 @@
-"""The elementwise Triton kernels (RMSNorm with the residual add, SiLU·mul, rope; run here under
+"""The elementwise Triton kernels (RMSNorm with the residual add, Gemma's (1 + weight) variant,
+SiLU·mul and GeGLU, rope; run here under
 TRITON_INTERPRET=1) against their torch references (kernels/reference.py: transformers'
 arithmetic for the norm and the activation), then through ops and the model's rope, then the
 whole model through the Triton backend against transformers."""
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from raypaged.kernels import ops, reference
-from raypaged.kernels.activation import silu_and_mul_triton
+from raypaged.kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
 from raypaged.kernels.norm import add_rms_norm_triton, rms_norm_triton
 from raypaged.kernels.rope import rope_in_place_triton, rope_tables_triton
 from raypaged.model.config import ModelConfig, RopeConfig
@@ -49,6 +50,38 @@ def test_rms_norm_and_residual_add_match_torch(dtype, hidden):
     # (bf16: the interpreter's fp32 -> bf16 conversion may truncate where a GPU rounds)
     torch.testing.assert_close(summed, expected_sum, **TOLERANCE[dtype])
     torch.testing.assert_close(out_add, expected_add, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_scales_by_one_plus_weight_and_rounds_once(dtype):
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    x = (_randn(5, 72, dtype=dtype) * 3)[:, :64]  # rows strided, like a view
+    residual = _randn(5, 64, dtype=dtype, seed=1)
+    weight = _randn(64, dtype=dtype, seed=2) * 0.5
+    theirs = Gemma2RMSNorm(64, eps=1e-6).to(dtype)
+    theirs.weight.data.copy_(weight)
+    with torch.no_grad():
+        expected, expected_add = theirs(x), theirs(residual + x)
+    torch.testing.assert_close(reference.gemma_rms_norm_ref(x, weight, 1e-6), expected, rtol=0, atol=0)
+    out = rms_norm_triton(x, weight, 1e-6, unit_offset=True)
+    out_add, summed = add_rms_norm_triton(x, residual, weight, 1e-6, unit_offset=True)
+    assert out.dtype == dtype and out_add.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(summed, residual + x, **TOLERANCE[dtype])
+    torch.testing.assert_close(out_add, expected_add, **TOLERANCE[dtype])
+    # Not Llama's arithmetic: (1 + weight), and no rounding before the weight.
+    assert not torch.allclose(out, reference.rms_norm_ref(x, weight, 1e-6), rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [40, 1100])
+def test_gelu_tanh_and_mul_matches_torch(dtype, cols):
+    gate_up = _randn(3, 2 * cols, dtype=dtype) * 4  # |gate| up to ~12: tanh saturates
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(reference.gelu_tanh_and_mul_ref(gate_up), expected, rtol=0, atol=0)
+    torch.testing.assert_close(gelu_tanh_and_mul_triton(gate_up), expected, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,8 +177,9 @@ def test_rope_in_place_matches_torch_rotation(dtype, head_dim):
     torch.testing.assert_close(v, v_before, rtol=0, atol=0)  # v untouched
 
 
-def test_model_through_fused_kernels_matches_transformers(triton_path):
-    _model_matches_transformers("qwen2")
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3"])  # Gemma: its norms and GeGLU
+def test_model_through_fused_kernels_matches_transformers(name, triton_path):
+    _model_matches_transformers(name)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama3-rope", "llama-tied"])
