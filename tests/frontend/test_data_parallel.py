@@ -105,14 +105,26 @@ async def prefix_routing(dp: DataParallelEngineClient) -> None:
     await wait_for(lambda: len(router.replicas[home].cached) >= 3)
     # A longer request streams meanwhile (an idle tie goes to replica 0, possibly home):
     # within the load slack the shared prefix still goes home.
-    busy = asyncio.ensure_future(collect(dp, Request("o", other, SamplingParams(
-        temperature=0.0, max_tokens=30, ignore_eos=True))))
+    # It is aborted once the others are done, so it is in flight throughout (a short one could
+    # finish between two polls of the router's count).
+    other_tokens: list[int] = []
+
+    async def stream_other() -> None:
+        async for out in dp.generate(Request("o", other, SamplingParams(
+                temperature=0.0, max_tokens=200, ignore_eos=True))):
+            other_tokens.extend(out.new_token_ids)
+
+    busy = asyncio.ensure_future(stream_other())
     await wait_for(lambda: sum(s.in_flight for s in router.replicas) == 1)
     before = router.replicas[home].routed
     rest = [await collect(dp, Request(f"s{i}", p, params)) for i, p in enumerate(shared[1:], 1)]
     assert router.replicas[home].routed == before + 2
     assert router.replicas[home].matched_blocks == 6  # 3 blocks each
-    other_tokens = (await busy)[:8]
+    await wait_for(lambda: len(other_tokens) >= 8)
+    await dp.abort("o")
+    await busy
+    await wait_for(lambda: sum(s.in_flight for s in router.replicas) == 0)
+    other_tokens = other_tokens[:8]
     for prompt, tokens in zip(shared + [other], [first, *rest, other_tokens]):
         assert tokens == hf_greedy(checkpoint_dir(NAME), tuple(prompt), 8)
     stats = (await dp.replicas[home].stats())["scheduler"]
