@@ -1,33 +1,53 @@
-"""Offline throughput on ShareGPT-like requests, three ways in one run, and where the KV memory
-goes while the engine serves them (issue 8's "Offline throughput" and "Memory" benchmarks).
+"""Offline throughput, every request there at the start, at one or more precisions in one run,
+and where the KV memory goes while the engine serves them (issue 8's "Offline throughput" and
+"Memory" benchmarks; issue 22's FP8 throughput).
 
-    python -m benchmarks.bench_throughput       # CPU-sized: a tiny random Llama, 32 requests
+    python -m benchmarks.bench_throughput       # CPU-sized: a tiny random Llama, 32 requests, fp32
     bash scripts/gpu.sh throughput              # the H200 run: 8B-shaped, bf16, 1,000 requests
+    bash scripts/gpu.sh throughput-fp8          # the same requests, bf16 vs FP8 weights + FP8 KV
+    bash scripts/gpu.sh throughput-fixed        # 1,000 x (1,000 in, 1,000 out), fp8 and bf16
     python -m benchmarks.bench_throughput --shape 8b --kv-capacity auto,fp8   # KV capacity only
 
-The requests come from the simulator's seeded ShareGPT-like trace (prompt ≈ 160 and output ≈ 340
-tokens on average, lognormal long tails, clipped to max_model_len), all there at the start; each
-generates exactly its output length (ignore_eos). They run through
-  - raypaged, paged KV cache (blocks on demand);
-  - raypaged with kv_cache_mode "contiguous": every request reserves max_model_len slots when it
-    starts — the allocator PagedAttention replaces — on a pool of the same number of blocks;
+--workload sharegpt (the default): the simulator's seeded ShareGPT-like trace (prompt ≈ 160 and
+output ≈ 340 tokens on average, lognormal long tails, clipped to max_model_len; --max-total-len
+prunes as vLLM's benchmark does). --workload fixed: --num-requests prompts of exactly --input-len
+random token ids, each asking for exactly --output-len tokens (benchmarks/lib/fixed_requests.py).
+Every request generates exactly its output length (ignore_eos). --precisions (benchmarks/lib/
+precisions.py: bf16, fp32, fp8 = FP8 weights + FP8 KV, fp8-weights, fp8-kv) run one after the
+other, each its own engine and its own profiled KV pool (on CPU, the memory of --num-kv-blocks
+blocks of the precision's dtype); each runs the --modes:
+  - paged: raypaged's paged KV cache (blocks on demand);
+  - contiguous: kv_cache_mode "contiguous", every request reserving max_model_len slots when it
+    starts — the allocator PagedAttention replaces — on the paged run's number of blocks;
+and, once, at the baseline precision's dtype:
   - transformers `generate` with static batching: consecutive requests in batches of
     --hf-batch-size, prompts left-padded, each batch generating until its longest request is done.
     Only the tokens each request asked for count. On the first --hf-requests requests; with
     --hf-max-time a batch stops after that many seconds (what it produced by then counts, which
     favours transformers: the steps it skips are those where most rows are already done).
-Every --stats-every engine steps the scheduler's KVCacheStats are sampled: pool usage, filled and
-allocated slots, prefix-sharing savings. Writes benchmarks/results/throughput_<shape>_<device>.json
-and a PNG beside it. --kv-cache-dtype runs both modes on that KV pool (fp8: one byte a value).
+The baseline precision is the first unquantized one listed; every other precision records its
+output tok/s over the baseline's, mode by mode (`over_baseline`), so `--precisions fp8,bf16` runs
+fp8 first and still reports fp8 / bf16. Where another engine published a figure on the same
+fixed workload (benchmarks/lib/published_peers.py: TensorRT-LLM, Llama-3.1-8B FP8, 1000 / 1000),
+it is recorded beside raypaged's under `published_peers`, marked published, not measured here.
+
+JSON: precisions.<precision>.<mode> is one engine run (tok/s, steps, preemptions, pool, KV
+samples); precisions.<precision>.settings the engine settings. Every --stats-every engine steps
+the scheduler's KVCacheStats are sampled: pool usage, filled and allocated slots, prefix-sharing
+savings. Writes benchmarks/results/throughput_<name>_<device>.json and a PNG beside it; the name is
+--name, else the shape, then "-fixed" for the fixed workload and "-fp8" when an FP8 precision ran.
+The JSON is rewritten after every engine run: a run cut short keeps what it measured.
 
 --kv-capacity DTYPES answers the capacity question instead (benchmarks/lib/kv_capacity.py): per KV
 dtype, the profiled pool's blocks and the largest batch of --capacity-context-token requests that
-fits, checked by running one more than that; writes kv_capacity_<shape>_<device>.json.
+fits, checked by running one more than that, at the first precision's dtype; writes
+kv_capacity_<shape>_<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -47,22 +67,32 @@ from benchmarks.lib.common import (
     write_config,
     write_json,
 )
+from benchmarks.lib.fixed_requests import fixed_requests
 from benchmarks.lib.hf_static import hf_static_batching
 from benchmarks.lib.kv_memory import KVSample, memory_summary, sample_kv
+from benchmarks.lib.precisions import Precision, baseline_of, parse_precisions
+from benchmarks.lib.published_peers import published_for
 from benchmarks.lib.sharegpt import BenchRequest, sharegpt_requests
+from benchmarks.lib.throughput_plot import save_plot
 from raypaged import LLM, SamplingParams
 from raypaged.config.sections import KV_CACHE_DTYPES, kv_cache_value_bytes
 from raypaged.core.request import Request
 
 MODES = ("paged", "contiguous")
+WORKLOADS = ("sharegpt", "fixed")
 # On the H200 the profiled pool holds ~100 reservations of 8,192 tokens for 1,000 requests: about
 # one per ten requests. The CPU default keeps that regime for its 32 requests: 4 x 2,048 tokens.
 CPU_NUM_KV_BLOCKS = 512
+# Issue 22: FP8 weights + FP8 KV at >= 1.5x bf16's output tok/s on the ShareGPT-like run.
+FP8_TARGET = 1.5
+PROGRESS_EVERY_S = 30.0  # a line in the log this often: a GPU run cut by its timeout still says how far it got
 
 
-def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device: torch.device) -> dict:
+def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device: torch.device,
+               label: str = "") -> dict:
     """Submit every request at once, step the engine until all are done. Timed from the first
-    submission to the last token."""
+    submission to the last token. Raises RuntimeError if any request fails or the tokens
+    generated are not exactly those asked for."""
     engine = llm.engine
     # Warm-up on a few of the requests, cut short: compiles the kernels for prefill, decode and
     # mixed steps (Triton specializes on some sizes) outside the timed run.
@@ -73,7 +103,7 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
     generated = steps = 0
     preemptions_before = engine.scheduler.num_preemptions
     sync(device)
-    start = time.perf_counter()
+    start = last_report = time.perf_counter()
     for i, r in enumerate(requests):
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
         engine.add_request(Request(f"bench-{i}", list(r.prompt_token_ids), params))
@@ -85,6 +115,10 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
         steps += 1
         if steps % stats_every == 0:
             samples.append(sample_kv(engine, time.perf_counter() - start, steps))
+            if samples[-1].seconds + start - last_report >= PROGRESS_EVERY_S:
+                last_report = time.perf_counter()
+                print(f"[{label}] {samples[-1].seconds:.0f} s: {generated:,} of {expected:,} tokens, "
+                      f"{samples[-1].running} running, {samples[-1].waiting} waiting", flush=True)
     elapsed = time.perf_counter() - start
     if generated != expected:
         raise RuntimeError(f"generated {generated} tokens, the requests asked for {expected}")
@@ -99,67 +133,34 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
     }
 
 
-def save_plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (bars, pool, running) = plt.subplots(1, 3, figsize=(16, 4.5))
-    names, values = [], []
-    for mode in MODES:
-        names.append(f"raypaged\n{mode}")
-        values.append(result[mode]["output_tokens_per_s"])
-    if "hf_generate" in result:
-        names.append("transformers\nstatic batches")
-        values.append(result["hf_generate"]["output_tokens_per_s"])
-    bars.bar(names, values, color=["tab:blue", "tab:orange", "tab:gray"][:len(values)])
-    for x, v in enumerate(values):
-        bars.text(x, v, f"{v:,.0f}", ha="center", va="bottom")
-    bars.set_ylabel("output tokens / s")
-    bars.set_title(f"{result['num_requests']} ShareGPT-like requests, {result['shape']} "
-                   f"({result['env']['device']})")
-    for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
-        samples = result[mode]["samples"]
-        pool_slots = result[mode]["num_kv_blocks"] * result["block_size"]
-        t = [s["seconds"] for s in samples]
-        pool.plot(t, [s["allocated_slots"] / pool_slots for s in samples], color=color,
-                  label=f"{mode}: held")
-        pool.plot(t, [s["filled_slots"] / pool_slots for s in samples], color=color,
-                  linestyle="--", label=f"{mode}: holding tokens")
-        running.plot(t, [s["running"] for s in samples], color=color, label=mode)
-    pool.set_xlabel("seconds")
-    pool.set_ylabel("share of the KV pool")
-    pool.set_title("KV pool over the run")
-    pool.legend(fontsize=8)
-    running.set_xlabel("seconds")
-    running.set_ylabel("running requests")
-    running.set_title("batch size over the run")
-    running.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory to take the config from instead of --shape's "
+                             "(weights random all the same: load_format dummy; not for --kv-capacity)")
+    parser.add_argument("--precisions", default=None,
+                        help="comma list of bf16, fp32, fp8 (FP8 weights + FP8 KV), fp8-weights, fp8-kv, run "
+                             "in that order (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=1000, help="fixed workload: prompt tokens a request")
+    parser.add_argument("--output-len", type=int, default=1000, help="fixed workload: output tokens a request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the shape's max_position_embeddings; what a contiguous "
                              "request reserves, and the cap on a trace request's length")
     parser.add_argument("--max-total-len", type=int, default=None,
-                        help="skip trace requests whose prompt + output exceed this (vLLM's "
+                        help="sharegpt: skip trace requests whose prompt + output exceed this (vLLM's "
                              "ShareGPT benchmark uses 2048); max_model_len is unchanged")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV pool size in blocks, the same for both modes (default: profiled "
-                             f"on CUDA; on CPU {CPU_NUM_KV_BLOCKS}, four max-length reservations of the "
-                             "tiny shape)")
+                        help="KV pool: the memory of this many blocks of each precision's model dtype "
+                             "(an FP8 pool gets twice the blocks), the same for both modes (default: "
+                             f"profiled on CUDA; on CPU {CPU_NUM_KV_BLOCKS}, four max-length reservations "
+                             "of the tiny shape)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -173,9 +174,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="torch threads on CPU (default 1: on a small shared machine more "
                              "threads spin against each other and every figure gets noisy)")
+    parser.add_argument("--name", default=None,
+                        help="results file throughput_<name>_<device>.json (default: the shape, "
+                             "-fixed for the fixed workload, -fp8 when an FP8 precision runs)")
     parser.add_argument("--out", default=None, help="directory for the JSON and PNG")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="what the KV pool holds in the throughput modes")
     parser.add_argument("--kv-capacity", default=None,
                         help="comma list of KV dtypes (e.g. auto,fp8): measure the pool's capacity "
                              "at each instead of the throughput")
@@ -183,22 +185,25 @@ def parse_args() -> argparse.Namespace:
                         help="tokens of each request in the capacity batch")
     parser.add_argument("--capacity-run", action=argparse.BooleanOptionalAction, default=True,
                         help="check the capacity by running fits + 1 such requests at once")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, dtype_name: str,
+def run_mode(model_dir: Path, mode: str, precision: Precision, args: argparse.Namespace,
              max_model_len: int, num_blocks: int | None, requests: list[BenchRequest],
              device: torch.device) -> dict:
+    """One engine of `precision` in KV `mode` over `requests`: its run_engine record, plus its
+    start-up time."""
     start = time.perf_counter()
-    llm = LLM(str(model_dir), load_format="dummy", dtype=dtype_name, skip_tokenizer_init=True,
+    llm = LLM(str(model_dir), load_format="dummy", skip_tokenizer_init=True,
               max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
               num_gpu_blocks_override=num_blocks, kv_cache_mode=mode,
-              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
+              async_scheduling=args.async_scheduling, **precision.engine_settings())
     init_seconds = time.perf_counter() - start
+    label = f"{precision.name} {mode}"
     try:
-        result = run_engine(llm, requests, args.stats_every, device)
+        result = run_engine(llm, requests, args.stats_every, device, label)
     finally:
         llm.shutdown()
         del llm
@@ -207,84 +212,141 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, dtype_name: s
     if device.type == "cuda":  # what the next run finds still taken
         result["cuda_gib_left_after_release"] = torch.cuda.memory_allocated() / 2**30
     mem = result["memory"]["all_steps"]
-    print(f"[{mode}] {result['output_tokens_per_s']:.0f} output tok/s in {result['seconds']:.1f} s "
+    print(f"[{label}] {result['output_tokens_per_s']:.0f} output tok/s in {result['seconds']:.1f} s "
           f"(start-up {init_seconds:.0f} s); {result['num_kv_blocks']} blocks; mean running "
-          f"{mem['mean_running']:.1f}; KV filled/held {mem['kv_utilization']:.1%}", flush=True)
+          f"{mem.get('mean_running', 0):.1f}; {result['preemptions']} preemptions", flush=True)
     return result
 
 
 def add_ratios(result: dict) -> None:
-    if "paged" in result and "contiguous" in result:
-        result["paged_vs_contiguous"] = (result["paged"]["output_tokens_per_s"]
-                                         / result["contiguous"]["output_tokens_per_s"])
-    if "paged" in result and "hf_generate" in result:
-        hf = result["hf_generate"]
-        result["paged_vs_hf"] = result["paged"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
-        result["paged_vs_hf_uncut"] = (result["paged"]["output_tokens_per_s"]
-                                       / hf["projected_uncut_output_tokens_per_s"])
+    """Every ratio of the record, from its measured (or, for published peers, recorded) tok/s."""
+    precisions = result["precisions"]
+    for runs in precisions.values():
+        if "paged" in runs and "contiguous" in runs:
+            runs["paged_vs_contiguous"] = (runs["paged"]["output_tokens_per_s"]
+                                           / runs["contiguous"]["output_tokens_per_s"])
+    base = precisions.get(result["baseline_precision"] or "")
+    for name, runs in precisions.items():
+        if base is not None and name != result["baseline_precision"]:
+            runs["over_baseline"] = {mode: runs[mode]["output_tokens_per_s"] / base[mode]["output_tokens_per_s"]
+                                     for mode in MODES if mode in runs and mode in base}
+    hf = result.get("hf_generate")
+    if hf is not None and "paged" in precisions.get(hf["precision"], {}):
+        runs = precisions[hf["precision"]]
+        runs["paged_vs_hf"] = runs["paged"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        runs["paged_vs_hf_uncut"] = (runs["paged"]["output_tokens_per_s"]
+                                     / hf["projected_uncut_output_tokens_per_s"])
+    for peer in result.get("published_peers", []):
+        ours = precisions.get(peer["precision"], {}).get("paged")
+        peer["raypaged_paged_output_tokens_per_s"] = ours["output_tokens_per_s"] if ours else None
+        peer["raypaged_over_published"] = ours["output_tokens_per_s"] / peer["output_tokens_per_s"] if ours else None
+        peer["same_gpu_as_this_run"] = peer["gpu"] in result["env"]["device"]
+    fp8 = precisions.get("fp8", {}).get("over_baseline", {}).get("paged")
+    if result["workload"]["name"] == "sharegpt" and result["baseline_precision"] == "bf16" and fp8 is not None:
+        result["target"] = {"what": f"fp8 / bf16 paged output tok/s >= {FP8_TARGET} (issue 22)",
+                            "value": fp8, "met": fp8 >= FP8_TARGET}
 
 
-def main() -> int:
+def make_requests(args: argparse.Namespace, max_model_len: int, vocab_size: int) -> tuple[list[BenchRequest], dict]:
+    """The workload's requests and its record (what it is, its lengths)."""
+    if args.workload == "fixed":
+        if args.max_total_len is not None:
+            raise SystemExit("--max-total-len prunes the sharegpt trace; the fixed workload has none to prune")
+        if args.input_len + args.output_len > max_model_len:
+            raise SystemExit(f"--input-len + --output-len = {args.input_len + args.output_len} exceeds "
+                             f"max_model_len {max_model_len}")
+        requests = fixed_requests(args.num_requests, args.input_len, args.output_len, vocab_size, args.seed)
+        record = {"name": "fixed", "input_len": args.input_len, "output_len": args.output_len,
+                  "description": f"fixed requests of {args.input_len} in / {args.output_len} out"}
+    else:
+        requests = sharegpt_requests(args.num_requests, max_model_len, vocab_size, args.seed, args.max_total_len)
+        record = {"name": "sharegpt", "description": "ShareGPT-like requests",
+                  "max_total_len_pruned_at": args.max_total_len}
+    record.update({
+        "num_requests": len(requests),
+        "mean_prompt_len": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+        "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+        "max_total_len": max(len(r.prompt_token_ids) + r.output_len for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+    })
+    return requests, record
+
+
+def results_name(args: argparse.Namespace, model: str, precisions: list[Precision]) -> str:
+    """throughput_<--name>_<device>, the name defaulting to the model's, -fixed, -fp8 as they apply."""
+    name = args.name or (model + ("-fixed" if args.workload == "fixed" else "")
+                         + ("-fp8" if any(p.quantized for p in precisions) else ""))
+    return f"throughput_{name}_{device_tag()}" + ("" if args.async_scheduling else "_sync")
+
+
+def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
-    args = parse_args()
+    args = parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: a comma list of {', '.join(MODES)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.cpu_threads)
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    shape = SHAPES[args.shape]
+    try:
+        precisions = parse_precisions(args.precisions or ("bf16" if device.type == "cuda" else "fp32"))
+    except ValueError as e:
+        raise SystemExit(f"--precisions: {e}") from None
+    baseline = baseline_of(precisions)
+    shape = json.loads((Path(args.model) / "config.json").read_text()) if args.model else SHAPES[args.shape]
+    model = Path(args.model).name if args.model else args.shape
     if args.kv_capacity:
-        return measure_capacity(args, dtype_name, device)
+        return measure_capacity(args, (baseline or precisions[0]).dtype, device)
     max_model_len = args.max_model_len or shape["max_position_embeddings"]
-    requests = sharegpt_requests(args.num_requests, max_model_len, shape["vocab_size"], args.seed,
-                                 args.max_total_len)
-    result = {
+    requests, workload = make_requests(args, max_model_len, shape["vocab_size"])
+    result: dict = {
         "env": environment(), "load_average_1_5_15min_at_start": os.getloadavg(),
-        "shape": args.shape, "dtype": dtype_name, "args": vars(args),
-        "num_requests": len(requests), "block_size": args.block_size, "max_model_len": max_model_len,
-        "mean_prompt_len": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
-        "mean_output_len": sum(r.output_len for r in requests) / len(requests),
-        "max_total_len": max(len(r.prompt_token_ids) + r.output_len for r in requests),
+        "shape": model, "args": vars(args), "workload": workload, "modes": modes,
+        "block_size": args.block_size, "max_model_len": max_model_len,
+        "baseline_precision": baseline.name if baseline else None,
+        "precisions": {p.name: {"settings": p.engine_settings()} for p in precisions},
     }
-    print(f"{len(requests)} requests: prompt {result['mean_prompt_len']:.0f}, output "
-          f"{result['mean_output_len']:.0f} tokens on average, longest {result['max_total_len']}",
-          flush=True)
-    name = f"throughput_{args.shape}_{device_tag()}" + ("" if args.async_scheduling else "_sync")
+    if args.workload == "fixed":
+        result["published_peers"] = [p.record() for p in published_for(args.input_len, args.output_len,
+                                                                        result["env"]["device"])]
+    print(f"{len(requests)} {workload['description']}: prompt {workload['mean_prompt_len']:.0f}, output "
+          f"{workload['mean_output_len']:.0f} tokens on average, longest {workload['max_total_len']}", flush=True)
+    name = results_name(args, model, precisions)
 
-    def save() -> Path:  # after every phase: a run cut short still leaves what it measured
+    def save() -> Path:  # after every run: a run cut short still leaves what it measured
         add_ratios(result)
         result["wall_seconds"] = time.perf_counter() - began
         result["load_average_1_5_15min_at_end"] = os.getloadavg()  # others' work skews CPU runs
         return write_json(name, result, Path(args.out) if args.out else None)
 
-    num_blocks = args.num_kv_blocks or (CPU_NUM_KV_BLOCKS if device.type == "cpu" else None)
+    base_blocks = args.num_kv_blocks or (CPU_NUM_KV_BLOCKS if device.type == "cpu" else None)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_config(args.shape, dtype_name, Path(tmp))
-        for mode in modes:
-            result[mode] = run_mode(model_dir, mode, args, dtype_name, max_model_len, num_blocks,
-                                    requests, device)
-            num_blocks = result[mode]["num_kv_blocks"]  # the next mode gets exactly this pool
-            save()
+        model_dir = Path(args.model) if args.model else write_config(args.shape, precisions[0].dtype, Path(tmp))
+        for precision in precisions:
+            runs = result["precisions"][precision.name]
+            num_blocks = None if base_blocks is None else precision.kv_blocks_in_memory_of(base_blocks)
+            for mode in modes:
+                runs[mode] = run_mode(model_dir, mode, precision, args, max_model_len, num_blocks,
+                                      requests, device)
+                num_blocks = runs[mode]["num_kv_blocks"]  # the next mode gets exactly this pool
+                save()
+        hf_precision = baseline or precisions[0]
         if args.hf_requests > 0:
             try:
-                result["hf_generate"] = hf_static_batching(
-                    model_dir, requests[:args.hf_requests], args.hf_batch_size, args.hf_max_time,
-                    getattr(torch, dtype_name), device)
+                result["hf_generate"] = {"precision": hf_precision.name, "dtype": hf_precision.dtype,
+                                         **hf_static_batching(model_dir, requests[:args.hf_requests],
+                                                              args.hf_batch_size, args.hf_max_time,
+                                                              getattr(torch, hf_precision.dtype), device)}
                 print(f"[transformers] {result['hf_generate']['output_tokens_per_s']:.0f} output "
                       f"tok/s", flush=True)
             except RuntimeError as e:  # out of memory, say: keep the engines' figures and the plot
                 result["hf_generate_error"] = f"{type(e).__name__}: {e}"
                 print(f"[transformers] failed: {result['hf_generate_error']}", flush=True)
     path = save()
-    print_table(result, modes)
-    if set(MODES) <= set(modes):
-        save_plot(result, path.with_suffix(".png"))
+    print_table(result)
+    save_plot(result, path.with_suffix(".png"))
     print(f"wrote {path}")
     return 0
-
-
 def measure_capacity(args: argparse.Namespace, dtype_name: str, device: torch.device) -> int:
     """The --kv-capacity run: each KV dtype's pool, on the same model and memory settings."""
     dtypes = [d for d in args.kv_capacity.split(",") if d]
@@ -313,27 +375,46 @@ def measure_capacity(args: argparse.Namespace, dtype_name: str, device: torch.de
     return 0
 
 
-def print_table(result: dict, modes: list[str]) -> None:
+def print_table(result: dict) -> None:
     print("\n| what | figure |\n| --- | --- |")
-    for mode in modes:
-        r, mem = result[mode], result[mode]["memory"]["all_steps"]
-        print(f"| raypaged {mode} | {r['output_tokens_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s, "
-              f"mean running {mem['mean_running']:.1f}, peak {r['memory']['peak_running']}, "
-              f"{r['preemptions']} preemptions) |")
-        print(f"| KV memory, {mode} | filled / held {mem['kv_utilization']:.1%}; pool holding tokens "
-              f"{mem['pool_token_states']:.1%}, held but empty {mem['waste_share_of_pool']:.1%}; "
-              f"{mem['unfilled_slots_per_running_request']:.1f} empty slots per running request |")
-    if "paged_vs_contiguous" in result:
-        print(f"| paged / contiguous reservation | {result['paged_vs_contiguous']:.2f}x (target >= 2x) |")
+    for precision, runs in result["precisions"].items():
+        for mode in result["modes"]:
+            if mode not in runs:
+                continue
+            r, mem = runs[mode], runs[mode]["memory"]["all_steps"]
+            print(f"| raypaged {precision} {mode} | {r['output_tokens_per_s']:,.0f} output tok/s "
+                  f"({r['seconds']:.1f} s, "
+                  f"mean running {mem.get('mean_running', 0):.1f}, peak {r['memory']['peak_running']}, "
+                  f"{r['preemptions']} preemptions, {r['num_kv_blocks']} blocks) |")
+            if mem:
+                print(f"| KV memory, {precision} {mode} | filled / held {mem['kv_utilization']:.1%}; pool holding "
+                      f"tokens {mem['pool_token_states']:.1%}, held but empty {mem['waste_share_of_pool']:.1%}; "
+                      f"{mem['unfilled_slots_per_running_request']:.1f} empty slots per running request |")
+        if "paged_vs_contiguous" in runs:
+            print(f"| {precision}: paged / contiguous reservation | {runs['paged_vs_contiguous']:.2f}x "
+                  "(target >= 2x) |")
+        for mode, ratio in runs.get("over_baseline", {}).items():
+            print(f"| {precision} / {result['baseline_precision']}, {mode} | {ratio:.2f}x |")
+    if "target" in result:
+        target = result["target"]
+        print(f"| {target['what']} | {target['value']:.2f}x: {'met' if target['met'] else 'not met'} |")
     if "hf_generate" in result:
         hf = result["hf_generate"]
         cut = ", cut by --hf-max-time" if hf["truncated"] else ""
-        print(f"| transformers static batches ({hf['requests']} requests, batch {hf['batch_size']}{cut}) "
-              f"| {hf['output_tokens_per_s']:,.0f} output tok/s "
+        print(f"| transformers static batches, {hf['dtype']} ({hf['requests']} requests, batch "
+              f"{hf['batch_size']}{cut}) | {hf['output_tokens_per_s']:,.0f} output tok/s "
               f"(uncut at the same step rate: {hf['projected_uncut_output_tokens_per_s']:,.0f}) |")
-    if "paged_vs_hf" in result:
-        print(f"| paged / transformers | {result['paged_vs_hf']:.1f}x (target >= 20x; "
-              f"{result['paged_vs_hf_uncut']:.1f}x against the uncut figure) |")
+        runs = result["precisions"].get(hf["precision"], {})
+        if "paged_vs_hf" in runs:
+            print(f"| paged / transformers | {runs['paged_vs_hf']:.1f}x (target >= 20x; "
+                  f"{runs['paged_vs_hf_uncut']:.1f}x against the uncut figure) |")
+    for peer in result.get("published_peers", []):
+        ours = peer["raypaged_over_published"]
+        other = "" if peer["same_gpu_as_this_run"] else f", not this run's {result['env']['device']}"
+        print(f"| {peer['engine']} {peer['precision']}, {peer['gpu']}{other}, published (not measured here; "
+              f"{peer['num_requests']} requests) | {peer['output_tokens_per_s']:,.0f} output tok/s"
+              + (f"; raypaged {peer['precision']} paged here / published {ours:.2f}x" if ours is not None else "")
+              + " |")
     print(f"| whole run | {result['wall_seconds']:.0f} s |")
 
 

@@ -43,6 +43,12 @@
 #                bf16 baseline vs fp32, FP8 weights, FP8 KV and both -> quality_demo_h200.json, .png
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
+#   throughput-fp8  the same 1,000 requests, paged, at bf16 and at FP8 weights + FP8 KV (issue 22: fp8 / bf16
+#                >= 1.5x) -> throughput_8b-fp8_h200.json, .png, ~3 (estimated; not yet run)
+#   throughput-fixed  1,000 requests of exactly 1,000 prompt / 1,000 output tokens at once, paged, fp8 then
+#                bf16, beside TensorRT-LLM's published 17,744 tok/s (Llama-3.1-8B FP8, one H200; recorded,
+#                not measured) -> throughput_8b-fixed-fp8_h200.json, .png, ~5 (estimated; not yet run; the
+#                JSON is written after each precision, so a cut run keeps fp8's figure)
 #   reservation  the same at a 32k window, paged vs contiguous -> throughput_8b-32k_h200.json, .png, ~7
 #   kvcapacity   the profiled KV pool at bf16 vs FP8 KV: blocks, and the 8k-token requests that fit
 #                (checked by running one more) -> kv_capacity_8b_h200.json, ~5
@@ -75,7 +81,8 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
-ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 quality prefill throughput reservation
+ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 quality prefill throughput
+         throughput-fp8 throughput-fixed reservation
          kvcapacity serving serving-multiturn serving-multitenant serving-host-tier serving-swap channel staging
          sampler structured chaos)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
@@ -176,6 +183,15 @@ print(table_path(torch.cuda.get_device_name()))')" --out "$OUT_DIR" ;;
             --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 128 --hf-batch-size 128 \
             --hf-max-time 60 --out "$OUT_DIR" ;;
+        throughput-fp8) bench throughput-fp8 360 python3 -m benchmarks.bench_throughput --shape 8b \
+            --precisions bf16,fp8 --modes paged --num-requests 1000 --max-total-len 2048 --max-num-seqs 512 \
+            --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 0 \
+            --out "$OUT_DIR" ;;
+        # 1M prompt and 1M output tokens a precision; fp8 first, the figure set beside the published one.
+        throughput-fixed) bench throughput-fixed 560 python3 -m benchmarks.bench_throughput --shape 8b \
+            --workload fixed --input-len 1000 --output-len 1000 --num-requests 1000 --precisions fp8,bf16 \
+            --modes paged --max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 \
+            --stats-every 8 --hf-requests 0 --out "$OUT_DIR" ;;
         reservation) bench reservation 480 python3 -m benchmarks.bench_throughput --shape 8b-32k \
             --num-requests 1000 --max-total-len 2048 --max-num-seqs 512 --max-num-batched-tokens 8192 \
             --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 0 --out "$OUT_DIR" ;;

@@ -105,3 +105,110 @@ def test_kv_capacity_counts_the_requests_that_fit_and_runs_them():
     # fits + 1 submitted: only `fits` run at once.
     assert (bf16["batch_submitted"], bf16["peak_running"]) == (3, 2)
     assert (fp8["batch_submitted"], fp8["peak_running"]) == (5, 4)
+
+
+def test_precisions_name_their_engine_settings_and_baseline():
+    from benchmarks.lib.precisions import baseline_of, parse_precisions
+
+    fp8, bf16 = parse_precisions("fp8,bf16")
+    assert fp8.engine_settings() == {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8"}
+    assert bf16.engine_settings() == {"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "auto"}
+    assert baseline_of([fp8, bf16]) is bf16  # the first unquantized one, wherever it runs
+    assert baseline_of(parse_precisions("fp8-weights,fp8-kv")) is None
+    # The same memory: a one-byte pool holds twice a bf16 pool's blocks; fp32's blocks are its own.
+    assert (fp8.kv_blocks_in_memory_of(100), bf16.kv_blocks_in_memory_of(100)) == (200, 100)
+    assert parse_precisions("fp32")[0].kv_blocks_in_memory_of(100) == 100
+    for bad in ("", "bf16,bf16", "int4"):
+        with pytest.raises(ValueError):
+            parse_precisions(bad)
+
+
+def test_fixed_requests_are_exactly_their_lengths_and_seeded():
+    from benchmarks.lib.fixed_requests import fixed_requests
+
+    requests = fixed_requests(5, 37, 11, vocab_size=50, seed=2)
+    assert [(len(r.prompt_token_ids), r.output_len) for r in requests] == [(37, 11)] * 5
+    assert all(3 <= t < 50 for r in requests for t in r.prompt_token_ids)
+    assert len({tuple(r.prompt_token_ids) for r in requests}) == 5  # random, not one prompt repeated
+    assert requests == fixed_requests(5, 37, 11, vocab_size=50, seed=2)
+
+
+def test_published_figure_on_this_gpu_comes_first():
+    from benchmarks.lib.published_peers import published_for
+
+    assert [p.gpu for p in published_for(1000, 1000, "NVIDIA H200")] == ["H200", "H100"]
+    assert [p.gpu for p in published_for(1000, 1000, "NVIDIA H100 80GB HBM3")] == ["H100", "H200"]
+    assert published_for(1000, 1000, "NVIDIA H200")[0].output_tokens_per_s == 17744
+    assert published_for(128, 128, "NVIDIA H200") == []
+
+
+def run_bench(tmp_path, *argv: str) -> dict:
+    from benchmarks.bench_throughput import main
+
+    assert main([*argv, "--out", str(tmp_path), "--name", "test"]) == 0
+    [path] = tmp_path.glob("throughput_test_*.json")
+    assert path.with_suffix(".png").exists()
+    return json.loads(path.read_text())
+
+
+def assert_runs_measured(result: dict, precisions: list[str], modes: list[str]) -> None:
+    """Every engine run counted exactly the tokens the workload asked for, and its tok/s is its
+    own tokens over its own seconds."""
+    assert list(result["precisions"]) == precisions
+    for runs in result["precisions"].values():
+        for mode in modes:
+            run = runs[mode]
+            assert run["output_tokens"] == result["workload"]["output_tokens"]
+            assert run["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["seconds"])
+
+
+# The run's environment record asks git for the commit and `uname -p` for the processor.
+@pytest.mark.integration
+def test_sharegpt_run_at_bf16_and_fp8(tmp_path):
+    result = run_bench(tmp_path, "--model", str(checkpoint_dir(NAME)), "--precisions", "bf16,fp8",
+                       "--num-requests", "4", "--max-model-len", "128", "--num-kv-blocks", "32",
+                       "--hf-requests", "2", "--hf-batch-size", "2")
+    assert result["workload"]["name"] == "sharegpt" and result["baseline_precision"] == "bf16"
+    assert_runs_measured(result, ["bf16", "fp8"], ["paged", "contiguous"])
+    bf16, fp8 = result["precisions"]["bf16"], result["precisions"]["fp8"]
+    assert fp8["settings"] == {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8"}
+    # The same memory: the FP8 pool has twice the blocks; contiguous runs on its paged run's pool.
+    assert fp8["paged"]["num_kv_blocks"] == 2 * bf16["paged"]["num_kv_blocks"] == 64
+    assert fp8["contiguous"]["num_kv_blocks"] == 64
+    for mode in ("paged", "contiguous"):
+        assert fp8["over_baseline"][mode] == pytest.approx(
+            fp8[mode]["output_tokens_per_s"] / bf16[mode]["output_tokens_per_s"])
+    assert "over_baseline" not in bf16
+    assert result["target"]["value"] == fp8["over_baseline"]["paged"]
+    assert result["target"]["met"] == (result["target"]["value"] >= 1.5)
+    hf = result["hf_generate"]
+    assert (hf["precision"], hf["dtype"]) == ("bf16", "bfloat16")
+    assert bf16["paged_vs_hf"] == pytest.approx(bf16["paged"]["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    assert "published_peers" not in result  # nothing is published on this workload
+
+
+@pytest.mark.integration
+def test_fixed_run_records_the_published_peer_beside_its_own_figure(tmp_path):
+    from tests.support.checkpoints import roomy_llama
+
+    result = run_bench(tmp_path, "--model", str(roomy_llama(tmp_path / "model")), "--workload", "fixed",
+                       "--input-len", "1000", "--output-len", "1000", "--num-requests", "2",
+                       "--precisions", "fp8,bf16", "--modes", "paged", "--num-kv-blocks", "256",
+                       "--hf-requests", "0")
+    workload = result["workload"]
+    assert (workload["name"], workload["num_requests"], workload["output_tokens"]) == ("fixed", 2, 2000)
+    assert workload["mean_prompt_len"] == 1000 == workload["max_total_len"] - 1000
+    assert_runs_measured(result, ["fp8", "bf16"], ["paged"])  # fp8 ran first, bf16 is still the baseline
+    fp8, bf16 = result["precisions"]["fp8"], result["precisions"]["bf16"]
+    assert fp8["over_baseline"]["paged"] == pytest.approx(
+        fp8["paged"]["output_tokens_per_s"] / bf16["paged"]["output_tokens_per_s"])
+    assert "target" not in result  # issue 22's 1.5x is the ShareGPT run's
+    peers = result["published_peers"]
+    assert [(p["engine"], p["precision"], p["output_tokens_per_s"]) for p in peers] == [
+        ("TensorRT-LLM", "fp8", 17744.0), ("TensorRT-LLM", "fp8", 15220.0)]
+    for peer in peers:
+        assert peer["kind"] == "published" and peer["measured_in_this_run"] is False
+        assert "perf-overview" in peer["source"] and not peer["same_gpu_as_this_run"]  # a CPU run
+        assert peer["raypaged_paged_output_tokens_per_s"] == fp8["paged"]["output_tokens_per_s"]
+        assert peer["raypaged_over_published"] == pytest.approx(
+            fp8["paged"]["output_tokens_per_s"] / peer["output_tokens_per_s"])
