@@ -14,7 +14,9 @@ same StreamJournal (frontend/stream_journal.py): the request again if nothing wa
 else each open sample as `Request.resumed_output_token_ids` (prompt + the tokens already
 streamed, every count and the seeded sampler's positions continuing), its records renumbered as
 the group's. The caller sees one continuous stream: no gap, no repeat. The lost replica is
-avoided by the retry (serve/route_hint.py) even before Serve's controller notices it.
+avoided by the retry (serve/route_hint.py) even before Serve's controller notices it. Every
+handle call is a Serve request of its own (serve/call_identity.py): the samples resumed at once
+and an abort beside its stream would otherwise share the client request's id in Serve's router.
 
 Bounds: a retry waits at most recovery_timeout_s for a replica to take it (every replica lost:
 for Serve to bring one back), else EngineDeadError (UNAVAILABLE); a stream is resumed at most
@@ -44,6 +46,7 @@ from raypaged.core.request import ENGINE_FAILED, Request
 from raypaged.engine.interface import EngineClient
 from raypaged.frontend.replay import as_sample, merged_runs
 from raypaged.frontend.stream_journal import StreamJournal, journal_of
+from raypaged.serve.call_identity import CallIdentities
 from raypaged.serve.route_hint import RouteHint
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,7 @@ class ServeEnginePool(EngineClient):
         self.num_resumed = 0  # streams that went on on another replica
         self._journals: dict[str, StreamJournal] = {}  # by group id
         self._where: dict[str, str] = {}  # engine request id -> the replica streaming it
+        self._calls = CallIdentities()
 
     @classmethod
     async def start(cls, handle: DeploymentHandle, **kwargs: Any) -> ServeEnginePool:
@@ -140,8 +144,8 @@ class ServeEnginePool(EngineClient):
                 continue
             # A replica that died meanwhile holds nothing to abort; the sample is not resumed.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._handle.abort.remote(target, route=RouteHint(pin=replica)),
-                                       self.abort_timeout_s)
+                await asyncio.wait_for(self._calls.call(target, self._handle.abort.remote, target,
+                                                        route=RouteHint(pin=replica)), self.abort_timeout_s)
 
     # ---- streams -------------------------------------------------------------------------------
     async def _run(self, journal: StreamJournal, timeout_s: float | None,
@@ -167,9 +171,9 @@ class ServeEnginePool(EngineClient):
         """One engine replica's stream of `request`; its loss raised as ReplicaLostError, the
         engine's own errors (InvalidRequestError, QueueFullError, RequestTimeoutError) as
         themselves. Leaving it early cancels the call, which aborts the request there."""
-        call = cast(DeploymentResponseGenerator,
-                    self._handle.options(stream=True).generate.remote(request, timeout_s, route=RouteHint(avoid=avoid)))
         key = request.request_id
+        call = cast(DeploymentResponseGenerator, self._calls.call(
+            key, self._handle.options(stream=True).generate.remote, request, timeout_s, route=RouteHint(avoid=avoid)))
         replica: str | None = None
         try:
             try:

@@ -10,6 +10,9 @@ Serve to replace the replica it killed, and leaves both pools whole.
   text, tokens and finish reason of its fault-free run (greedy: transformers' tokens), and the
   ingress counts the resumption (the kill really fell mid-stream).
 - HTTP requests sharing a prefix land on the engine replica holding it.
+- A seeded n = 2 gRPC stream whose engine replica's actor is killed mid-stream: each sample's
+  tokens are those of its fault-free run (its open samples resume on the other replica as
+  engine calls of their own, serve/call_identity.py).
 - Bad input is a 400 / INVALID_ARGUMENT and reaches no engine.
 - Nothing leaks: after each fault every engine pool is whole and the ingress holds no stream
   (and the package's instance checks, as it shuts down, that no actor and no placement group is
@@ -103,6 +106,22 @@ def _grpc_stream(server, params: pb.SamplingParams, on_message=None) -> tuple[li
     return tokens, text, finish
 
 
+def _grpc_samples(server, params: pb.SamplingParams, on_message=None) -> dict[int, tuple[list[int], int]]:
+    """Each sample's tokens and finish reason of one gRPC stream."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server['grpc']}")
+    samples: dict[int, tuple[list[int], int]] = {}
+    with channel:
+        stub = pb_grpc.RaypagedServiceStub(channel)
+        request = pb.GenerateRequest(prompt="Pack my box with", sampling_params=params)
+        for i, response in enumerate(stub.Generate(request, metadata=METADATA, timeout=120)):
+            for delta in response.outputs:
+                tokens, finish = samples.get(delta.index, ([], pb.FINISH_REASON_UNSPECIFIED))
+                samples[delta.index] = (tokens + list(delta.token_ids), delta.finish_reason or finish)
+            if on_message is not None and i + 1 == KILL_AFTER:
+                on_message()
+    return samples
+
+
 def test_http_requests_sharing_a_prefix_go_to_the_replica_holding_it(server):
     """The ingress tokenized the body before an engine was chosen: its handle's router places
     the OpenAI request by prefix (Serve's HTTP proxy alone could place it by load only)."""
@@ -138,6 +157,21 @@ def test_http_chat_stream_goes_on_when_its_engine_replica_dies(server):
     assert reference[1] == "length"
     resumed = ingress_stats()["resumed"]
     assert _chat_stream(server, on_chunk=_kill_replica) == reference
+    assert ingress_stats()["resumed"] == resumed + 1  # the kill fell mid-stream
+    engines_idle()  # Serve replaced the replica; both pools whole
+
+
+def test_grpc_parallel_samples_go_on_when_their_engine_replica_dies(server):
+    """n = 2, seeded: the replica's actor dies with both samples open; each resumes on the
+    other replica as a call of its own and streams the tokens of the fault-free run."""
+    params = pb.SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=1.0, seed=5, ignore_eos=True)
+    reference = _grpc_samples(server, params)
+    assert sorted(reference) == [0, 1]
+    assert all(len(tokens) == MAX_TOKENS and finish == pb.FINISH_REASON_LENGTH
+               for tokens, finish in reference.values())
+    assert reference[0][0] != reference[1][0]  # two samples, not one twice
+    resumed = ingress_stats()["resumed"]
+    assert _grpc_samples(server, params, on_message=_kill_replica) == reference
     assert ingress_stats()["resumed"] == resumed + 1  # the kill fell mid-stream
     engines_idle()  # Serve replaced the replica; both pools whole
 
