@@ -115,7 +115,7 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
         steps += 1
         if steps % stats_every == 0:
             samples.append(sample_kv(engine, time.perf_counter() - start, steps))
-            if samples[-1].seconds + start - last_report >= PROGRESS_EVERY_S:
+            if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
                 last_report = time.perf_counter()
                 print(f"[{label}] {samples[-1].seconds:.0f} s: {generated:,} of {expected:,} tokens, "
                       f"{samples[-1].running} running, {samples[-1].waiting} waiting", flush=True)
