@@ -16,8 +16,15 @@
 # ignored by git: carry .whl with the call); without them it is reported absent. The structured suite
 # needs xgrammar, which the machine lacks, from .whl/structured/: `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform
-# manylinux2014_x86_64 -d .whl/structured xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic
-# pydantic-core annotated-types typing-inspection`.
+# manylinux2014_x86_64 -d .whl/structured xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.13.4
+# pydantic-core==2.46.4 annotated-types typing-inspection` (pinned: unpinned, pydantic-core resolves
+# to a placeholder 0.0.1 wheel). The suites that start `raypaged serve` (chaos)
+# need Ray Serve's dependencies too, from .device/serve/ (carried in .device): `pip download
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+# --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device/serve fastapi starlette
+# "uvicorn[standard]" aiohttp aiohttp_cors opencensus opentelemetry-sdk opentelemetry-proto
+# opentelemetry-exporter-prometheus prometheus_client smart_open watchfiles mmh3 colorful
+# pydantic==2.13.4`, less the large wheels Serve does not import (virtualenv, cryptography, uvloop).
 #
 # Suites (minutes on one H200, from the last runs; a device call is at most 10 minutes):
 #   tests        every GPU-marked test (bf16 kernels at the 8B's shapes, PDL on/off bit for bit,
@@ -72,7 +79,7 @@
 #   faults       a TP=2 rank killed / raising / hanging (kind nvidia-h200-x2) [Ray] -> faults_h200x2.json, ~2
 #   chaos        the chaos soak on the demo model (fp32) over gRPC and HTTP at TP 1 with a Ray worker
 #                actor: engine actor SIGKILLed, worker SIGKILLed and hung, once each; every stream
-#                checked against a fault-free run [Ray] -> chaos_h200.json, (not yet run)
+#                checked against a fault-free run [Ray] -> chaos_<device>.json, ~2
 #   all          every one-GPU suite above, in order (longer than one device call: name suites instead)
 # A suite's failure is reported and the next suite still runs; the exit status is 1 if any failed.
 set -uo pipefail
@@ -112,6 +119,20 @@ use_xgrammar() {
     export PYTHONPATH=/tmp/site-xgrammar${PYTHONPATH:+:$PYTHONPATH}
 }
 
+# Ray Serve's own dependencies (starlette, fastapi, uvicorn, opencensus, ...), which the bundle
+# leaves out, from .device/serve/: each wheel whose distribution the machine lacks goes to /tmp/site.
+use_serve_wheels() {
+    ls .device/serve/*.whl >/dev/null 2>&1 || return 0
+    local wheel dist missing=()
+    for wheel in .device/serve/*.whl; do
+        dist=$(basename "$wheel" | sed 's/-[0-9].*//; s/_/-/g')
+        python3 -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$dist" 2>/dev/null \
+            || missing+=("$wheel")
+    done
+    [ ${#missing[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        "${missing[@]}"
+}
+
 RAY_READY=0
 use_ray() {
     [ "$RAY_READY" = 1 ] && return 0
@@ -125,6 +146,7 @@ use_ray() {
             .device/grpcio_health_checking-*.whl .device/grpcio_reflection-*.whl
     fi
     python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry .device/ (../shared/device/GPU.md)"; return 1; }
+    use_serve_wheels
     RAY_READY=1
 }
 
@@ -242,7 +264,8 @@ print(table_path(torch.cuda.get_device_name()))')" --out "$OUT_DIR" ;;
         # CUDA state, graphs and the KV pool rebuilt after each fault; fp32 so that the reference
         # run's greedy tokens do not hang on bf16 near-ties between batch compositions.
         chaos) use_ray && bench chaos 560 python3 -m benchmarks.chaos --num-calls 400 --concurrency 16 \
-            --faults 3 --name h200 --out "$OUT_DIR" -- --dtype float32 --max-num-seqs 64 ;;
+            --faults 3 --name "$(python3 -c 'from benchmarks.lib.common import device_tag; print(device_tag())')" \
+            --out "$OUT_DIR" -- --dtype float32 --max-num-seqs 64 ;;
     esac
 }
 SUITES=" ${ONE_GPU[*]} tests-kernels tests-engine tp faults all "
