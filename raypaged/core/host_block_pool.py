@@ -17,7 +17,7 @@ Pure bookkeeping over integers: nothing here moves bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from raypaged.core.block_pool import BlockHash, CacheEventLog, removed_event, stored_event
 from raypaged.core.block_pool_base import BlockPoolBase
@@ -26,8 +26,11 @@ from raypaged.core.block_pool_base import BlockPoolBase
 class HostBlockPool(BlockPoolBase, CacheEventLog):
     """The host tier: pinned or least-recently-used cached blocks, and a stack of free ones."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, reports: Callable[[BlockHash], bool] | None = None) -> None:
+        """reports: which cached blocks' events the pool keeps (None: every block's), as
+        BlockPool's: a pool holding several KV-cache groups' chains reports the routed one."""
         super().__init__(num_blocks)
+        self._reports = reports
         self.pin_cnt: list[int] = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 first
         # Cached, unpinned blocks, least recently used first: the eviction order.
@@ -53,14 +56,14 @@ class HostBlockPool(BlockPoolBase, CacheEventLog):
             evicted = self.block_hash[host_id]
             assert evicted is not None
             del self._cached[evicted.hash_value]
-            if self.events is not None:
+            if self.events is not None and (self._reports is None or self._reports(evicted)):
                 self.events.append(removed_event(evicted.hash_value, host=True))
         else:
             return None
         self.block_hash[host_id] = block_hash
         self._cached[block_hash.hash_value] = host_id
         self.pin_cnt[host_id] = 1
-        if self.events is not None:
+        if self.events is not None and (self._reports is None or self._reports(block_hash)):
             self.events.append(stored_event(block_hash.hash_value, host=True))
         return host_id, True
 
@@ -90,7 +93,9 @@ class HostBlockPool(BlockPoolBase, CacheEventLog):
     def reset(self) -> None:
         """Forget every block (the workers' host pools were replaced): all free, none pinned."""
         if self.events is not None:
-            self.events += [removed_event(value, host=True) for value in self._cached]
+            reports, block_hash = self._reports, self.block_hash
+            self.events += [removed_event(value, host=True) for value, host_id in self._cached.items()
+                            if reports is None or reports(block_hash[host_id])]  # type: ignore[arg-type]
         self._forget_cached()
         self.pin_cnt[:] = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))

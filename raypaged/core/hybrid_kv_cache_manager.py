@@ -30,8 +30,9 @@ tail is its own block). Stats count each held block once, O(live blocks).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from raypaged.core.block_hashing import DEFAULT_HASH_ALGO, block_hasher, request_extra_keys
 from raypaged.core.block_pool import BlockHash, BlockPool, hash_block_tokens
@@ -41,6 +42,7 @@ from raypaged.core.kv_cache_interface import KVCacheStats, PagedKVCacheManagerBa
 from raypaged.core.request import Request
 
 NULL_BLOCK_ID = -1  # a table position whose block fell out of the window (never read)
+_T = TypeVar("_T")
 
 
 def is_routed_block(block_hash: BlockHash) -> bool:
@@ -132,20 +134,33 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
         if max_hit <= 0:
             return [], 0
         state = self._state(request)
-        lookup = self.block_pool.get_cached_block
-        found: list[list[int | None]] = [[] for _ in self.groups]
+        limit, found = self._longest_hit(state, max_hit, self.block_pool.get_cached_block)
+        hits = []
+        for g in range(len(self.groups)):
+            start = self._first_needed(g, limit * self.block_size)
+            hits.append([NULL_BLOCK_ID] * start + [b for b in found[g][start:limit] if b is not None])
+        state.pending_hits = hits
+        return list(hits[0]), limit * self.block_size
+
+    def _longest_hit(self, state: _HybridRequest, max_hit: int, find: Callable[[BlockHash], _T | None]
+                     ) -> tuple[int, list[list[_T | None]]]:
+        """The most leading blocks L <= max_hit every group can serve, where find(hash) is where a
+        block is cached (None: nowhere): a full group needs positions 0 .. L-1 found, a sliding
+        group those its window reads at L. Returns L and, per group, what find answered for
+        (at least) the positions L needs, from 0."""
+        found: list[list[_T | None]] = [[] for _ in self.groups]
         limit = max_hit
         for g, spec in enumerate(self.groups):  # full groups first: their hits bound the rest
             if not spec.is_sliding:
                 for h in self._hashes(state, g, max_hit)[:limit]:
-                    block_id = lookup(h)
-                    if block_id is None:
+                    where = find(h)
+                    if where is None:
                         break
-                    found[g].append(block_id)
+                    found[g].append(where)
                 limit = len(found[g])
         for g, spec in enumerate(self.groups):
             if spec.is_sliding:
-                found[g] = [lookup(h) for h in self._hashes(state, g, limit)[:limit]]
+                found[g] = [find(h) for h in self._hashes(state, g, limit)[:limit]]
         changed = True
         while changed:  # shrink to an L every sliding group can serve at once
             changed = False
@@ -154,12 +169,7 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
                         b is None for b in found[g][self._first_needed(g, limit * self.block_size):limit]):
                     limit -= 1
                     changed = True
-        hits = []
-        for g in range(len(self.groups)):
-            start = self._first_needed(g, limit * self.block_size)
-            hits.append([NULL_BLOCK_ID] * start + [b for b in found[g][start:limit] if b is not None])
-        state.pending_hits = hits
-        return list(hits[0]), limit * self.block_size
+        return limit, found
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -210,11 +220,14 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
         num_new = _cdiv(num_hit_tokens + num_new_tokens, B) - len(hits)
         ref_cnt = self.block_pool.ref_cnt
         revived = sum(1 for blocks in group_hits for b in blocks if b >= 0 and ref_cnt[b] == 0)
-        if num_new * len(self.groups) + revived > self.block_pool.num_free_blocks:
+        loads = self._host_loads(request, hits)
+        if num_new * len(self.groups) + revived + len(loads) > self.block_pool.num_free_blocks:
             return None
         state = self._state(request)
         for blocks in group_hits:  # the hits first: fresh blocks may otherwise evict them
             self.block_pool.touch(b for b in blocks if b >= 0)
+        if loads:
+            self._load_host_hits(state, group_hits, loads)
         for g, table in enumerate(state.groups):
             table.block_ids = group_hits[g] + self.block_pool.get_new_blocks(num_new)
             table.num_cached = len(hits)
@@ -226,6 +239,17 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
             self._prefix_cache_hits += num_hit_tokens
         return list(state.groups[0].block_ids)
 
+    def _host_loads(self, request: Request, hits: list[int]) -> list[tuple[int, int, int]]:
+        """Hook of a manager with a host tier: the (group, position, host block) hits of the
+        request's lookup `hits` that are on the host, each needing a fresh GPU block (here none)."""
+        return []
+
+    def _load_host_hits(self, state: _HybridRequest, group_hits: list[list[int]],
+                        loads: list[tuple[int, int, int]]) -> None:
+        """Hook of a manager with a host tier: fill group_hits' host positions with fresh GPU
+        blocks and queue their loads (never called without _host_loads' answer)."""
+        raise NotImplementedError
+
     def _check_hits(self, request: Request, state: _HybridRequest | None,
                     hits: list[int]) -> list[list[int]]:
         """Every group's hits for group 0's hits `hits`, which must be get_computed_blocks'
@@ -233,7 +257,7 @@ class HybridKVCacheManager(PagedKVCacheManagerBase):
         if not hits:
             return [[] for _ in self.groups]
         pending = state.pending_hits if state is not None else None
-        if not self.enable_prefix_caching or pending is None or pending[0] != hits:
+        if pending is None or pending[0] != hits:  # (never set without a prefix cache or host tier)
             raise ValueError(f"request {request.request_id!r}: prefix hits must come from "
                              "get_computed_blocks")
         block_hash = self.block_pool.block_hash

@@ -22,85 +22,35 @@ partial last block is recomputed. If the host tier has no unpinned block left, t
 request recomputes, as recompute preemption would.
 
 Every transfer of a step is in take_transfers() (the scheduler puts it in its SchedulerOutput);
-the workers apply offloads, then loads, then the step's copy-on-write and forward.
+the workers apply offloads, then loads, then the step's copy-on-write and forward. The copies,
+pins and counters are core/host_tier.py's HostTier, shared with TieredHybridKVCacheManager.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from itertools import islice
-
 from raypaged.core.block_hashing import DEFAULT_HASH_ALGO
-from raypaged.core.block_pool import BlockPool
-from raypaged.core.host_block_pool import HostBlockPool
-from raypaged.core.kv_cache_interface import KVCacheStats
+from raypaged.core.host_tier import HostTier, HostTierManager, OffloadingBlockPool
 from raypaged.core.kv_cache_manager import KVCacheManager, _RequestBlocks
-from raypaged.core.outputs import KVTransfers
 from raypaged.core.request import PLACEHOLDER_TOKEN_ID, Request
 
 __all__ = ["TieredKVCacheManager"]
 
 
-class _OffloadingBlockPool(BlockPool):
-    """A BlockPool that tells `on_reuse` which blocks get_new_blocks is about to hand out, while
-    their hashes (the ones it evicts) are still readable."""
-
-    def __init__(self, num_blocks: int, enable_caching: bool, on_reuse: Callable[[list[int]], None]) -> None:
-        super().__init__(num_blocks, enable_caching)
-        self._on_reuse = on_reuse
-
-    def get_new_blocks(self, num_blocks: int) -> list[int]:
-        if 0 < num_blocks <= self.num_free_blocks:
-            self._on_reuse(list(islice(self._free, num_blocks)))
-        return super().get_new_blocks(num_blocks)
-
-
-class TieredKVCacheManager(KVCacheManager):
+class TieredKVCacheManager(HostTierManager, KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
                  num_host_blocks: int, swap_preemption: bool = False, block_bytes: int = 0,
                  hash_algo: str = DEFAULT_HASH_ALGO) -> None:
         """block_bytes: the bytes one block holds over every rank (what a transfer moves)."""
         super().__init__(num_blocks, block_size, enable_prefix_caching, hash_algo)
-        self.block_pool = _OffloadingBlockPool(num_blocks, enable_prefix_caching, self._reusing)
+        self.tier = HostTier(num_host_blocks, block_bytes)
+        self.block_pool = OffloadingBlockPool(num_blocks, enable_prefix_caching, self._reusing)
         self._ref_cnt = self.block_pool.ref_cnt
-        self.host_pool = HostBlockPool(num_host_blocks)
         self.swap_preemption = swap_preemption
-        self.block_bytes = block_bytes
-        self._offloads: list[tuple[int, int]] = []  # (GPU block, host block), this step
-        self._loads: list[tuple[int, int]] = []  # (host block, GPU block), this step
-        self._step_pins: list[int] = []  # host pins that last until take_transfers
         # Request -> the host blocks its last lookup found after its GPU hits (for allocate_slots).
         self._host_hits: dict[str, list[int]] = {}
-        # Preempted by swap -> the host blocks pinned for it until it resumes or ends.
-        self._swapped: dict[str, list[int]] = {}
-        self._prefetched: set[str] = set()  # waited one step for a prefetch (until allocated)
-        self._loads_read_now = False  # a load this step is read by this step's forward
-        self._num_prefetches = 0
-        self._host_hit_tokens = 0
-        self._num_offloaded = 0
-        self._num_loaded = 0
 
-    # ---- eviction into the host tier -------------------------------------------------------------
     def _reusing(self, block_ids: list[int]) -> None:
-        """The GPU pool is about to hand these blocks out: a cached one is offloaded first (its
-        host copy kept if there is one), and a load queued into one this step is dropped (the
-        block's holder left in this same step; its contents stay in the host tier)."""
-        block_hash, host = self.block_pool.block_hash, self.host_pool
-        for block_id in block_ids:
-            cached = block_hash[block_id]
-            if cached is None:
-                continue
-            stored = host.store(cached)
-            if stored is None:
-                continue  # every host block is pinned: this one is just evicted
-            host_id, needs_copy = stored
-            self._step_pins.append(host_id)
-            if needs_copy:
-                self._offloads.append((block_id, host_id))
-        if self._loads:
-            reused = set(block_ids)
-            self._loads = [load for load in self._loads if load[1] not in reused]
+        self.tier.evicting(block_ids, self.block_pool.block_hash)
 
     # ---- prefix lookup over both tiers -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -109,7 +59,7 @@ class TieredKVCacheManager(KVCacheManager):
         blocks, num_tokens = super().get_computed_blocks(request)
         request_id = request.request_id
         self._host_hits.pop(request_id, None)
-        swapped = self._swapped.get(request_id)
+        swapped = self.tier.swapped.get(request_id)
         if not self.enable_prefix_caching and not swapped:
             return blocks, num_tokens
         # Without prefix caching nothing is shared: only the request's own swapped blocks count.
@@ -147,27 +97,26 @@ class TieredKVCacheManager(KVCacheManager):
         were the blocks evicted meanwhile, its host hits load with its first chunk. Prefix caching
         on only (the loaded blocks must be found again)."""
         request_id = request.request_id
-        if not self.enable_prefix_caching or request.prompt_logprobs_pending or request_id in self._prefetched:
+        tier = self.tier
+        if not self.enable_prefix_caching or request.prompt_logprobs_pending or request_id in tier.prefetched:
             return True
-        self._prefetched.add(request_id)
+        tier.prefetched.add(request_id)
         gpu_hits, _ = KVCacheManager.get_computed_blocks(self, request)
         hits = self._host_lookup(request, len(gpu_hits), None)
-        pool, host = self.block_pool, self.host_pool
+        pool = self.block_pool
         pool.touch(gpu_hits)  # not to be evicted for the loads' blocks
         if not hits or len(hits) > pool.num_free_blocks:
             pool.free_blocks(reversed(gpu_hits))
             return True
-        for host_id in hits:
-            host.pin(host_id)
-        self._step_pins += hits
+        tier.pin_for_step(hits)
         blocks = pool.get_new_blocks(len(hits))
         hashes = self._requests[request_id].block_hashes[len(gpu_hits):]
         for host_id, block_id, block_hash in zip(hits, blocks, hashes):
             if pool.cache_full_block(block_id, block_hash):
-                self._loads.append((host_id, block_id))
-                self._host_hit_tokens += self.block_size
+                tier.load(host_id, block_id, read_now=False)
+                tier.host_hit_tokens += self.block_size
         pool.free_blocks(reversed(gpu_hits + blocks))  # its tail first: the prefix is evicted last
-        self._num_prefetches += 1
+        tier.num_prefetches += 1
         return False
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -178,12 +127,12 @@ class TieredKVCacheManager(KVCacheManager):
         hits = self._host_hits.pop(request.request_id, None) if self._host_hits else None
         if not hits:
             new_blocks = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-            if new_blocks is not None and (self._swapped or self._prefetched):
-                self._release_swapped(request.request_id)  # resumed from the GPU tier alone
+            if new_blocks is not None and (self.tier.swapped or self.tier.prefetched):
+                self.tier.release(request.request_id)  # resumed from the GPU tier alone
             return new_blocks
         state = self._requests[request.request_id]
         first = len(new_computed_blocks or ())
-        host = self.host_pool
+        tier, host = self.tier, self.host_pool
         if state.block_ids or any(host.block_hash[host_id] != state.block_hashes[first + k]
                                   for k, host_id in enumerate(hits)):
             raise ValueError(f"request {request.request_id!r}: host hits must come from the "
@@ -195,33 +144,25 @@ class TieredKVCacheManager(KVCacheManager):
         if new_blocks is None:
             host.unpin(hits)
             return None
-        self._step_pins += hits
-        self._loads_read_now = True
+        tier.step_pins += hits
         cache = self.block_pool.cache_full_block
         for k, host_id in enumerate(hits):
             block_id = state.block_ids[first + k]
-            self._loads.append((host_id, block_id))
+            tier.load(host_id, block_id, read_now=True)
             cache(block_id, state.block_hashes[first + k])  # loaded before any reader's forward
         state.num_cached_blocks = first + len(hits)
         num_hit_tokens = len(hits) * self.block_size
-        self._host_hit_tokens += num_hit_tokens
+        tier.host_hit_tokens += num_hit_tokens
         if self.enable_prefix_caching:
             self._prefix_cache_hits += num_hit_tokens
-        self._release_swapped(request.request_id)
+        tier.release(request.request_id)
         return new_blocks
-
-    def _release_swapped(self, request_id: str) -> None:
-        """It has blocks again (or ended): its swap pins go, and it may be prefetched again."""
-        self._prefetched.discard(request_id)
-        swapped = self._swapped.pop(request_id, None)
-        if swapped:
-            self.host_pool.unpin(swapped)
 
     # ---- release ---------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
         request_id = request.request_id
         self._host_hits.pop(request_id, None)
-        self._release_swapped(request_id)
+        self.tier.release(request_id)
         super().free(request)
 
     def free_preempted(self, request: Request) -> None:
@@ -239,69 +180,10 @@ class TieredKVCacheManager(KVCacheManager):
             self._hash_blocks(state, num_full)
         pins: list[int] = []
         for block_id, block_hash in zip(state.block_ids[:num_full], state.block_hashes):
-            stored = self.host_pool.store(block_hash)
-            if stored is None:
+            host_id = self.tier.swap_out(block_id, block_hash)
+            if host_id is None:
                 break
-            host_id, needs_copy = stored
-            self._step_pins.append(host_id)
-            self.host_pool.pin(host_id)
             pins.append(host_id)
-            if needs_copy:
-                self._offloads.append((block_id, host_id))
         super().free_preempted(request)  # (its hash chain kept)
         if pins:
-            self._swapped[request.request_id] = pins
-
-    def reset_prefix_cache(self) -> bool:
-        """Both tiers forget everything (e.g. the workers and their host pools were replaced)."""
-        if not super().reset_prefix_cache():
-            return False
-        self.host_pool.reset()
-        self._offloads, self._loads, self._step_pins = [], [], []
-        self._host_hits.clear()
-        self._swapped.clear()
-        self._prefetched.clear()
-        self._loads_read_now = False
-        return True
-
-    # ---- cache events: both tiers' ---------------------------------------------------------------
-    def record_cache_events(self) -> None:
-        super().record_cache_events()
-        self.host_pool.record_events()
-
-    def take_cache_events(self) -> list[int]:
-        """The GPU pool's events, then the host tier's (each tier's in order; the router keeps
-        the tiers apart, so their relative order does not matter)."""
-        events = super().take_cache_events()
-        host = self.host_pool.take_events()
-        return events + host if host else events
-
-    # ---- the step's transfers --------------------------------------------------------------------
-    def take_transfers(self) -> KVTransfers | None:
-        if self._step_pins:
-            self.host_pool.unpin(self._step_pins)
-            self._step_pins = []
-        self._host_hits.clear()  # lookups of requests the step did not admit: looked up again
-        if not self._offloads and not self._loads:
-            return None
-        transfers = KVTransfers(self._offloads, self._loads, loads_read_now=self._loads_read_now)
-        self._offloads, self._loads, self._loads_read_now = [], [], False
-        self._num_offloaded += len(transfers.offloads)
-        self._num_loaded += len(transfers.loads)
-        return transfers
-
-    @property
-    def num_swapped_requests(self) -> int:
-        return len(self._swapped)
-
-    @property
-    def num_prefetches(self) -> int:
-        """Admissions that waited one step for their host hits to load."""
-        return self._num_prefetches
-
-    def stats(self) -> KVCacheStats:
-        return dataclasses.replace(
-            super().stats(), host_cache_hits=self._host_hit_tokens,
-            num_host_blocks=self.host_pool.num_blocks, num_host_free_blocks=self.host_pool.num_free_blocks,
-            offloaded_bytes=self._num_offloaded * self.block_bytes,
-            loaded_bytes=self._num_loaded * self.block_bytes)
+            self.tier.swapped[request.request_id] = pins

@@ -22,14 +22,11 @@ from typing import TYPE_CHECKING
 
 from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
-from raypaged.core.contiguous_kv_cache_manager import ContiguousKVCacheManager
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
-from raypaged.core.kv_cache_groups import make_kv_cache_manager
-from raypaged.core.kv_cache_interface import KVCacheManagerInterface
 from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
 from raypaged.core.parallel_sampling import end_records
 from raypaged.core.request import ENGINE_FAILED, FinishReason, Request, RequestStatus
-from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
+from raypaged.engine.kv_managers import kv_cache_manager_for
 from raypaged.executor.base import Executor
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.model.config import ModelConfig
@@ -94,10 +91,14 @@ class EngineCore:
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
         # (bytes of one block, of one value) on each rank: the metrics' and model_info's pool size.
         self.kv_cache_bytes = self.executor.collective_rpc("kv_cache_sizes")[0]
-        contiguous = config.cache.kv_cache_mode == "contiguous"
+        try:
+            kv_cache_manager = kv_cache_manager_for(config, self.model_config, self.executor,
+                                                    self.num_blocks, self.max_num_batched_tokens)
+        except (ConfigError, ValueError):
+            self.executor.shutdown()
+            raise
         self.scheduler = make_scheduler(config.scheduler.build(self.num_blocks, self.max_model_len),
-                                        kv_cache_manager=self._contiguous_manager() if contiguous
-                                        else self._paged_manager())
+                                        kv_cache_manager=kv_cache_manager)
         self._pending_outputs = EngineCoreOutputs()  # abort records, out with the next step
         # Queue time (added → first scheduled, vLLM's request_queue_time_seconds), measured here
         # on one clock and handed to the frontend with the request's next output.
@@ -349,51 +350,6 @@ class EngineCore:
             logger.debug("executor shutdown after failure", exc_info=True)
         self.executor = self._executor_class(self.config, self.model_dir)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
-
-    def _paged_manager(self) -> KVCacheManagerInterface | None:
-        """The paged manager over the model's KV-cache groups (the workers' pools are laid out
-        from the same config.cache.kv_groups): one table per group, sliding groups keeping only
-        their window. One full group: the host tier's manager, or None (the scheduler's own)."""
-        groups = self.config.cache.kv_groups(self.model_config.all_windows())
-        if len(groups) == 1 and not groups[0].is_sliding:
-            return self._tiered_manager()
-        if self.config.cache.kv_offload_size:
-            self.executor.shutdown()
-            raise ConfigError("kv_offload_size does not serve KV-cache groups (a model with "
-                              "sliding-window layers) yet: add --no-kv-cache-groups")
-        return make_kv_cache_manager(self.num_blocks, self.config.scheduler.block_size, groups,
-                                     self.config.scheduler.enable_prefix_caching,
-                                     max_tokens_per_step=self.max_num_batched_tokens,
-                                     hash_algo=self.config.scheduler.prefix_caching_hash_algo)
-
-    def _tiered_manager(self) -> TieredKVCacheManager | None:
-        """The host tier behind the GPU pool (cache.kv_offload_size), of as many blocks as every
-        rank's host pool holds; None without one."""
-        cache = self.config.cache
-        if not cache.kv_offload_size:
-            return None
-        num_host_blocks = min(self.executor.collective_rpc("num_host_blocks"))
-        if num_host_blocks < 1:
-            self.executor.shutdown()
-            raise ConfigError(f"kv_offload_size ({cache.kv_offload_size} GiB) holds no KV block")
-        settings = self.config.scheduler
-        if not settings.enable_prefix_caching and cache.preemption_mode != "swap":
-            logger.warning("kv_offload_size without prefix caching or swap preemption: the host "
-                           "tier holds nothing a request could use")
-        return TieredKVCacheManager(
-            self.num_blocks, settings.block_size, settings.enable_prefix_caching,
-            num_host_blocks=num_host_blocks, swap_preemption=cache.preemption_mode == "swap",
-            block_bytes=sum(self.executor.collective_rpc("bytes_per_block")),
-            hash_algo=settings.prefix_caching_hash_algo)
-
-    def _contiguous_manager(self) -> ContiguousKVCacheManager:
-        """The reservation baseline (kv_cache_mode "contiguous"). A pool smaller than one
-        max_model_len reservation could run nothing: ValueError, the workers shut down."""
-        try:
-            return ContiguousKVCacheManager(self.num_blocks, self.config.scheduler.block_size, self.max_model_len)
-        except ValueError:
-            self.executor.shutdown()
-            raise
 
     def shutdown(self) -> None:
         if self._structured is not None:

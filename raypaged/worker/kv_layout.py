@@ -65,8 +65,9 @@ class KVLayout:
 
 def unique_caches(kv_caches: Sequence[KVCache]) -> list[KVCache]:
     """The distinct K/V pairs of a per-layer list (layers of different groups share pairs), in
-    first-use order: what a block copy must touch once each."""
-    seen: dict[int, KVCache] = {}
+    first-use order: what a block copy must touch once each. Pairs are told apart by their
+    memory, not their tensor objects: two views of one storage are one pair."""
+    seen: dict[tuple[int, int], KVCache] = {}
     for pair in kv_caches:
-        seen.setdefault(id(pair[0]), pair)
+        seen.setdefault((pair[0].data_ptr(), pair[1].data_ptr()), pair)
     return list(seen.values())

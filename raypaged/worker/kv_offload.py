@@ -1,7 +1,12 @@
 """HostKVCache: this rank's host pool of KV blocks, and the copies of each step's KVTransfers.
 
-The pool is one tensor [num_host_blocks, layers, 2 (K, V), block_size, kv_heads, head_dim], so a
-host block is contiguous over every layer: one copy moves a run of consecutive host blocks. It is
+The pool is one tensor [num_host_blocks, pairs, 2 (K, V), block_size, kv_heads, head_dim], so a
+host block is contiguous over every K/V pair: one copy moves a run of consecutive host blocks.
+Its pairs are the GPU pool's distinct K/V tensor pairs, not the model's layers: with KV-cache
+groups (worker/kv_layout.py) the layers at one position of different groups share a pair, a
+block id names one group's block in every pair, and so a host block holds exactly one GPU
+block's bytes (Worker.bytes_per_block, what the host tier's size is counted in); a shared pair is
+allocated and copied once. It is
 pinned on CUDA (asynchronous copies need page-locked memory; release() unpins it), plain memory
 on CPU. Each rank
 holds its own heads; every rank applies the same transfers (the engine decided them once).
@@ -24,6 +29,7 @@ import torch
 
 from raypaged.core.outputs import KVTransfers
 from raypaged.kernels.kv_quant import is_fp8
+from raypaged.worker.kv_layout import unique_caches
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _CHUNK = 32  # blocks per staging tensor (an 8B model's 16-token block: 2 MiB)
@@ -32,7 +38,8 @@ _CHUNK = 32  # blocks per staging tensor (an 8B model's 16-token block: 2 MiB)
 class HostKVCache:
     def __init__(self, num_blocks: int, like: KVCaches) -> None:
         """A host pool of num_blocks blocks shaped like the GPU pools `like` (per layer K, V of
-        [num_gpu_blocks, block_size, kv_heads, head_dim])."""
+        [num_gpu_blocks, block_size, kv_heads, head_dim]; layers sharing a pair count once)."""
+        like = unique_caches(like)
         k0 = like[0][0]
         self.device = k0.device
         self.on_cuda = self.device.type == "cuda"
@@ -64,7 +71,11 @@ class HostKVCache:
         self.blocks = torch.empty(0)
 
     def apply(self, transfers: KVTransfers, kv_caches: KVCaches) -> None:
-        """Offloads, then loads (KVTransfers' order), ordered with the compute stream."""
+        """Offloads, then loads (KVTransfers' order), ordered with the compute stream. kv_caches:
+        per layer, as the pool was built from (shared pairs once)."""
+        kv_caches = unique_caches(kv_caches)
+        if len(kv_caches) != self.blocks.shape[1]:
+            raise ValueError(f"{len(kv_caches)} K/V pairs for a host pool of {self.blocks.shape[1]}")
         if self.as_bytes:
             kv_caches = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
         if self.stream is None:

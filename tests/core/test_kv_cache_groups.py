@@ -350,19 +350,23 @@ def test_one_full_group_hands_out_the_plain_managers_blocks(block_size, num_bloc
     run_both(block_size, num_blocks, caching, ops, seed)
 
 
-def run_scheduler_on_groups(config, windows, ops, seed: int, with_full: bool = True) -> None:
+def run_scheduler_on_groups(config, windows, ops, seed: int, with_full: bool = True,
+                            make_kv=HybridKVCacheManager, make_worker=ShadowWorker,
+                            check_more=lambda kv, scheduler: None):
     """The real scheduler (n > 1 forks, aborts, preemption, chunking, async) over sliding groups,
     after a full one or not. The ShadowWorker applies every group's tables as the scheduler
-    output carries them (core/group_tables.py) and checks each group's reads over its window."""
+    output carries them (core/group_tables.py) and checks each group's reads over its window.
+    make_kv(num_blocks, block_size, groups, caching, max_tokens_per_step=) builds the manager,
+    make_worker(num_blocks, block_size, sample, rng, one_behind=, windows=) the worker;
+    check_more(kv, scheduler) runs after every check. Returns the manager."""
     rng = random.Random(seed)
     groups = tuple(KVCacheGroupSpec(w) for w in ((None,) if with_full else ()) + tuple(windows))
-    kv = HybridKVCacheManager(config.num_blocks, config.block_size, groups,
-                              enable_prefix_caching=config.enable_prefix_caching,
-                              max_tokens_per_step=config.max_num_batched_tokens)
+    kv = make_kv(config.num_blocks, config.block_size, groups, config.enable_prefix_caching,
+                 max_tokens_per_step=config.max_num_batched_tokens)
     scheduler = make_scheduler(config, kv)
-    worker = ShadowWorker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
-                          one_behind=config.async_scheduling,
-                          windows=tuple(g.sliding_window for g in groups))
+    worker = make_worker(config.num_blocks, config.block_size, lambda *_: rng.randrange(VOCAB), rng,
+                         one_behind=config.async_scheduling,
+                         windows=tuple(g.sliding_window for g in groups))
     engine, log = ShadowEngine(scheduler, worker), OutputLog()
 
     def checked() -> None:
@@ -374,6 +378,7 @@ def run_scheduler_on_groups(config, windows, ops, seed: int, with_full: bool = T
                 assert all(a == b for a, b in zip(held, told) if a != NULL_BLOCK_ID), rid
         assert all(not any(t) for r in scheduler.waiting
                    for t in kv.get_group_block_ids(r.request_id)), "a waiting request holds blocks"
+        check_more(kv, scheduler)
 
     for k, op in enumerate(ops):
         if op[0] == "add":
@@ -398,6 +403,7 @@ def run_scheduler_on_groups(config, windows, ops, seed: int, with_full: bool = T
     assert kv.num_free_blocks == config.num_blocks and not any(kv.block_pool.ref_cnt)
     assert not kv._requests and kv.stats().allocated_slots == 0
     log.check_all_finished(scheduler)
+    return kv
 
 
 windows_lists = st.lists(st.integers(1, 9), min_size=1, max_size=3)

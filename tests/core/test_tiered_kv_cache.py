@@ -177,15 +177,10 @@ class TierShadowWorker(ShadowWorker):
 
 
 def check_host_tier(scheduler) -> None:
-    kv: TieredKVCacheManager = scheduler.kv_cache_manager
-    kv.host_pool.check()
-    assert not kv._step_pins and not kv._offloads and not kv._loads
-    pins = [0] * kv.host_pool.num_blocks
-    for request_id, host_ids in kv._swapped.items():
+    kv = scheduler.kv_cache_manager
+    kv.tier.check_pins()
+    for request_id in kv.tier.swapped:
         assert scheduler.requests[request_id].status is RequestStatus.PREEMPTED
-        for host_id in host_ids:
-            pins[host_id] += 1
-    assert kv.host_pool.pin_cnt == pins, "host pins other than the swapped requests'"
 
 
 def tiered(config: SchedulerConfig, num_host_blocks: int, swap: bool) -> TieredKVCacheManager:
@@ -199,7 +194,7 @@ def run_tiered_sequence(config: SchedulerConfig, ops, seed: int, num_host_blocks
         make_worker=lambda *args, **kwargs: TierShadowWorker(num_host_blocks, *args, **kwargs),
         check_more=check_host_tier)
     kv = scheduler.kv_cache_manager
-    assert not kv._swapped and not kv._prefetched and all(p == 0 for p in kv.host_pool.pin_cnt)
+    assert not kv.tier.swapped and not kv.tier.prefetched and all(p == 0 for p in kv.host_pool.pin_cnt)
 
 
 @FAST

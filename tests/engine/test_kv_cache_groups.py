@@ -127,10 +127,3 @@ def test_groups_on_cuda_through_cuda_graphs(name):
         llm.shutdown()
     assert_matches_hf(name, prompts, results, max_tokens=MAX_TOKENS)
 
-
-def test_the_host_tier_refuses_kv_cache_groups_with_a_message():
-    """The host tier moves whole blocks of every layer; a grouped pool is not that yet."""
-    from raypaged.config import ConfigError
-
-    with pytest.raises(ConfigError, match="no-kv-cache-groups"):
-        LLM(str(checkpoint_dir("mistral-window")), block_size=8, kv_offload_size=0.01)

@@ -53,6 +53,34 @@ def test_many_blocks_are_staged_in_chunks(monkeypatch):
         assert all(torch.equal(k[i + 5], k0[i]) for i in range(7))
 
 
+def test_layers_sharing_kv_pairs_are_allocated_and_copied_once():
+    """With KV-cache groups the model's layers share the pool's K/V pairs (Gemma 2's three layers,
+    three groups of one, share one pair). The host pool holds one block's bytes per block, as the host
+    tier's size counts them, and a block of any group goes out and comes back whole."""
+    from raypaged.core.kv_cache_groups import group_layers
+    from raypaged.worker.kv_layout import KVLayout
+
+    layout = KVLayout(group_layers([4, None, 4, None, 4, 4]), 6)  # 3 groups of 2 layers: 2 pairs
+    assert layout.layers_per_block == 2
+    pool = pools(8, "cpu", layers=layout.layers_per_block)
+    per_layer = layout.per_layer(pool)
+    # A view of the same storage is the same pair too.
+    per_layer[3] = (per_layer[3][0].view(per_layer[3][0].shape), per_layer[3][1][:])
+    host = HostKVCache(4, per_layer)
+    assert host.blocks.shape[1] == 2  # not 6
+    assert host.blocks[0].numel() * host.blocks.element_size() == 2 * 2 * pool[0][0][0].numel() * 4
+    before = [(k.clone(), v.clone()) for k, v in pool]
+    host.apply(KVTransfers(offloads=[(1, 0), (6, 3)]), per_layer)
+    for kk, vv in pool:
+        kk[[1, 6]] = 0.0
+        vv[[1, 6]] = 0.0
+    host.apply(KVTransfers(loads=[(0, 2), (3, 5)]), per_layer)
+    for (kk, vv), (k0, v0) in zip(pool, before):
+        assert torch.equal(kk[2], k0[1]) and torch.equal(vv[5], v0[6])
+    with pytest.raises(ValueError, match="K/V pairs"):
+        host.apply(KVTransfers(loads=[(0, 2)]), pools(8, "cpu", layers=3))
+
+
 def test_runs_of_consecutive_ids():
     assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
     assert _runs([]) == []
