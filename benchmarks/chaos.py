@@ -1,7 +1,10 @@
-"""Chaos soak: many streamed calls over gRPC and OpenAI HTTP against a real `raypaged serve` (both
-doors, one engine) while a seeded schedule injects faults — a worker actor SIGKILLed, the engine
-actor SIGKILLed, a worker hung (benchmarks/lib/chaos_faults.py; more kinds plug in there), or,
-on a cluster of several raylets, the node of the engine's workers removed (chaos_node.py). The
+"""Chaos soak: many streamed calls over gRPC and OpenAI HTTP against a real target while a seeded
+schedule injects faults. The target (benchmarks/lib/chaos_target.py `ChaosTarget`): a `raypaged
+serve` (both doors, one engine) — a worker actor SIGKILLed, the engine actor SIGKILLed, a worker
+hung (benchmarks/lib/chaos_faults.py; more kinds plug in there), or, on a cluster of several
+raylets, the node of the engine's workers removed (chaos_node.py); or, `--target serve`, the Ray
+Serve app (an ingress over two engine replicas, chaos_serve.py) — an engine replica's actor
+killed mid-stream (chaos_replica.py), an engine actor SIGKILLed. The
 calls mix greedy and seeded sampled requests (n = 2 among them), client cancels, deadlines and
 malformed requests (benchmarks/lib/chaos_plan.py). Every well-formed call is first run whole in a
 fault-free reference run on the same server; under chaos each must stream exactly the
@@ -19,8 +22,11 @@ reference's tokens (or a prefix of them, when cancelled or past its deadline):
     python -m benchmarks.chaos --num-calls 3000 --faults 12 # long
     python -m benchmarks.chaos -- --model DIR --tp 2        # flags after -- go to raypaged serve
     python -m benchmarks.chaos --fault-kinds node_removed --faults 2 --name nodes
+    python -m benchmarks.chaos --target serve --num-calls 1000 --faults 4 --name serve_cpu
+    python -m benchmarks.chaos --target serve --app-args '{"model": "DIR", "num_replicas": 3}'
 
-Writes benchmarks/results/chaos_<name>.json. tests/reliability/test_chaos.py runs a short one.
+Writes benchmarks/results/chaos_<name>.json. tests/reliability/test_chaos.py runs a short one;
+tests/benchmarks/test_chaos_serve.py a short one on Serve.
 """
 
 from __future__ import annotations
@@ -41,10 +47,15 @@ from benchmarks.lib.chaos_cluster import ClusterServer
 from benchmarks.lib.chaos_faults import FAULT_KINDS, FaultKind, wait_recovered
 from benchmarks.lib.chaos_node import NODE_KINDS
 from benchmarks.lib.chaos_plan import COMPLETED, ChaosMix, PlannedCall, plan_calls
-from benchmarks.lib.launched_server import LaunchedServer, pool_whole, wait_pool_whole
+from benchmarks.lib.chaos_replica import SERVE_KINDS
+from benchmarks.lib.chaos_serve import ServeTarget
+from benchmarks.lib.chaos_target import PROCESS_KINDS, ChaosTarget, ServerTarget
+from benchmarks.lib.launched_server import LaunchedServer
 from benchmarks.lib.server_sampler import Sampler, growth_by_process, object_store_probe, rss_summary
 
 DEFAULT_FAULTS = ("worker_sigkill", "engine_sigkill", "worker_hang")
+SERVE_FAULTS = ("replica_killed", "engine_sigkill")  # --target serve's default
+TARGETS = ("server", "serve")
 # The server's settings a chaos run needs whatever the model: Ray worker actors to fault even at
 # TP 1, a step timeout that finds a hung worker soon, and room for several restarts.
 CHAOS_FLAGS = ["--distributed-executor-backend", "ray", "--step-timeout-s", "5",
@@ -57,6 +68,7 @@ class ChaosConfig:
     concurrency: int = 12
     mix: ChaosMix = field(default_factory=ChaosMix)
     fault_kinds: tuple[str, ...] = DEFAULT_FAULTS
+    target: str = "server"  # server: `raypaged serve`; serve: the Ray Serve app (chaos_serve.py)
     num_faults: int = 3  # spread evenly over the run, kinds in a seeded order
     seed: int = 0
     call_bound_s: float = 300.0  # a call still open after this long is hung: lost
@@ -86,13 +98,13 @@ class FaultSchedule:
     """Injects `num_faults` faults in a thread, the k-th once k / (num_faults + 1) of the calls
     have ended, each only after the server recovered from the one before."""
 
-    def __init__(self, server: LaunchedServer, config: ChaosConfig, num_calls: int, log) -> None:
+    def __init__(self, target: ChaosTarget, config: ChaosConfig, num_calls: int, log) -> None:
         rng = random.Random(config.seed + 1)
         kinds = [config.fault_kinds[i % len(config.fault_kinds)] for i in range(config.num_faults)]
         rng.shuffle(kinds)
         self.plan = [(round((k + 1) * num_calls / (config.num_faults + 1)), kind, rng.random())
                      for k, kind in enumerate(kinds)]
-        self.server, self.config, self.log = server, config, log
+        self.target, self.config, self.log = target, config, log
         self.done = 0
         self.injected: list[dict] = []
         self.injected_at: list[float] = []  # time.monotonic() of each fault, and of each recovery
@@ -116,7 +128,7 @@ class FaultSchedule:
             while self.done < at:
                 if self._finished.wait(0.05):
                     return
-            fault = FAULT_KINDS[kind](self.server)
+            fault = FAULT_KINDS[kind](self.target)
             self.faults.append(fault)
             record: dict = {"kind": kind, "after_calls": self.done}
             try:
@@ -148,18 +160,18 @@ def recovery_by_kind(injected: list[dict]) -> dict:
     return by_kind
 
 
-async def drain_check(server: LaunchedServer, doors: Doors, calls: list[PlannedCall], reference: dict,
+async def drain_check(target: ChaosTarget, doors: Doors, calls: list[PlannedCall], reference: dict,
                       config: ChaosConfig) -> dict:
     """SIGTERM with calls in flight: each must finish whole (as in the reference), and the
     server exit 0 leaving no process of its session."""
     tasks = [asyncio.ensure_future(run_call(doors, call, config.call_bound_s)) for call in calls]
     await asyncio.sleep(0.3)
-    exit_code = await asyncio.to_thread(server.stop)
+    exit_code = await asyncio.to_thread(target.stop)
     results = await asyncio.gather(*tasks)
     whole = sum(r.outcome == COMPLETED and r.text == reference[r.index].text for r in results)
     await asyncio.sleep(1.0)
     return {"calls": len(calls), "finished_whole": whole, "exit_code": exit_code,
-            "processes_left": len(server.session_pids())}
+            "processes_left": len(target.session_pids())}
 
 
 def rss_bound(samples: list[tuple[float, int, int]]) -> dict:
@@ -199,73 +211,88 @@ def object_store_summary(samples: list[tuple[float, int, int]], schedule: FaultS
             "faults_at_calls": [f["after_calls"] for f in schedule.injected]}
 
 
-def check_kinds(fault_kinds: tuple[str, ...]) -> None:
-    """ValueError unless the kinds can share one target (node kinds with node kinds only)."""
-    on_nodes = set(fault_kinds) & NODE_KINDS
-    if on_nodes and not on_nodes >= set(fault_kinds):
+def check_kinds(fault_kinds: tuple[str, ...], target: str = "server") -> None:
+    """ValueError unless the kinds can share one target of that kind: node kinds with node kinds
+    only, on a server; the Serve app takes the replica and engine kinds
+    (ServeTarget.fault_kinds)."""
+    kinds = set(fault_kinds)
+    if target == "serve":
+        refused = kinds - ServeTarget.fault_kinds
+        if refused:
+            raise ValueError(f"fault kinds {', '.join(sorted(refused))} do not apply to the Serve target "
+                             f"(it takes {', '.join(sorted(ServeTarget.fault_kinds))})")
+        return
+    if kinds & SERVE_KINDS:
+        raise ValueError(f"fault kinds {', '.join(sorted(kinds & SERVE_KINDS))} need --target serve")
+    on_nodes = kinds & NODE_KINDS
+    if on_nodes and not on_nodes >= kinds:
         raise ValueError(f"fault kinds {', '.join(sorted(on_nodes))} run on a multi-node cluster and "
-                         f"cannot be mixed with {', '.join(sorted(set(fault_kinds) - on_nodes))}")
+                         f"cannot be mixed with {', '.join(sorted(kinds - on_nodes))}")
 
 
-def make_target(serve_args: list[str], fault_kinds: tuple[str, ...]) -> LaunchedServer:
-    """The server the faults need: node faults a `raypaged serve` joined to a cluster of several
-    raylets (benchmarks/lib/chaos_cluster.py), process faults one with a Ray of its own, whose
-    processes are all of its session. The two cannot be mixed in one run."""
-    check_kinds(fault_kinds)
+def make_target(serve_args: list[str], fault_kinds: tuple[str, ...], target: str = "server",
+                app_args: dict | None = None) -> ChaosTarget:
+    """The target the faults need. server: node faults a `raypaged serve` joined to a cluster of
+    several raylets (benchmarks/lib/chaos_cluster.py), process faults one with a Ray of its own,
+    whose processes are all of its session (the two cannot be mixed in one run); serve: the Ray
+    Serve app of `app_args` (build_app's arguments) in a session of its own."""
+    check_kinds(fault_kinds, target)
+    if target == "serve":
+        return ServeTarget(app_args)
     if set(fault_kinds) & NODE_KINDS:
-        return ClusterServer([*CHAOS_FLAGS, *serve_args])
-    return LaunchedServer([*CHAOS_FLAGS, *serve_args], command="serve")
+        return ServerTarget(ClusterServer([*CHAOS_FLAGS, *serve_args]), NODE_KINDS)
+    return ServerTarget(LaunchedServer([*CHAOS_FLAGS, *serve_args], command="serve"), PROCESS_KINDS)
 
 
-def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
-    server = make_target(serve_args, config.fault_kinds)
+def run_chaos(serve_args: list[str], config: ChaosConfig, log=print, app_args: dict | None = None) -> dict:
+    """serve_args: `raypaged serve`'s flags (server target); app_args: build_app's (serve)."""
+    target = make_target(serve_args, config.fault_kinds, config.target, app_args)
     phases: dict[str, float] = {}
     clock = time.monotonic()
     try:
-        address, metrics_url, info = server.start()
+        info = target.start()
+        address = target.address
+        assert address is not None
         phases["start"] = time.monotonic() - clock
         plan = plan_calls(config.num_calls, config.mix, info.vocab_size, info.max_model_len, config.seed)
         whole = [call.whole() for call in plan if not call.malformed]
         drain = [c for c in whole if c.max_tokens >= 8][: config.drain_calls]
-        gcs = server.gcs_address()
+        gcs = target.gcs_address()
 
         async def run() -> dict:
-            doors = Doors(address, server.http_url, info.name, info.vocab_size)
+            doors = Doors(address, target.http_url, info.name, info.vocab_size)
             try:
                 started = time.monotonic()
                 reference = await drive(doors, whole, config)
-                await asyncio.to_thread(wait_pool_whole, metrics_url)
+                await asyncio.to_thread(target.settle)
                 phases["reference"] = time.monotonic() - started
                 log(f"  reference: {len(reference)} calls in {phases['reference']:.0f} s")
                 started = time.monotonic()
                 probe = object_store_probe(gcs) if gcs else None
-                with Sampler(server, config.sample_interval_s, probe) as sampler, \
-                        FaultSchedule(server, config, len(plan), log) as schedule:
+                with Sampler(target, config.sample_interval_s, probe) as sampler, \
+                        FaultSchedule(target, config, len(plan), log) as schedule:
                     def done(count: int) -> None:
                         sampler.done = schedule.done = count
 
                     chaos = await drive(doors, plan, config, done)
                 seconds = phases["chaos"] = time.monotonic() - started
-                metrics = await asyncio.to_thread(wait_pool_whole, metrics_url, 30.0)
+                pools = await asyncio.to_thread(target.settle, 30.0)
                 started = time.monotonic()
-                drained = await drain_check(server, doors, drain, reference, config)
+                drained = await drain_check(target, doors, drain, reference, config)
                 phases["drain"] = time.monotonic() - started
             finally:
                 await doors.close()
-            return {"reference": reference, "chaos": chaos, "seconds": seconds, "metrics": metrics,
+            return {"reference": reference, "chaos": chaos, "seconds": seconds, "pools": pools,
                     "sampler": sampler, "schedule": schedule, "drain": drained}
 
         ran = asyncio.run(run())
         result = verdict(plan, [ran["chaos"][c.index] for c in plan], ran["reference"])
-        sampler, metrics = ran["sampler"], ran["metrics"]
+        sampler, pools = ran["sampler"], ran["pools"]
         result.update({
             "config": asdict(config), "model": info.name, "num_blocks": info.num_blocks,
             "tensor_parallel_size": info.tensor_parallel_size, "seconds": round(ran["seconds"], 1),
             "faults": ran["schedule"].injected, "recovery_by_kind": recovery_by_kind(ran["schedule"].injected),
-            "pool_whole": pool_whole(metrics),
-            "pool": {k: metrics.get(f"raypaged_{k}") for k in
-                     ("kv_cache_blocks", "kv_cache_free_blocks", "num_requests_running", "num_requests_waiting")},
-            "streams_replayed": metrics.get("raypaged_streams_replayed_total"),
+            "pool_whole": pools.whole, "pool": pools.pool, "streams_replayed": pools.streams_resumed,
             "health_samples": dict(sampler.health),
             "rss": rss_summary(sampler.rss, len(plan)),
             "rss_bound": rss_bound(sampler.rss),
@@ -276,7 +303,7 @@ def run_chaos(serve_args: list[str], config: ChaosConfig, log=print) -> dict:
         })
         return result
     finally:
-        server.kill()
+        target.kill()
 
 
 def passed(result: dict, max_rss_growth_mib: float = 64.0, max_object_store_growth_mib: float = 8.0) -> bool:
@@ -295,28 +322,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-calls", type=int, default=ChaosConfig.num_calls)
     parser.add_argument("--concurrency", type=int, default=ChaosConfig.concurrency)
     parser.add_argument("--faults", type=int, default=ChaosConfig.num_faults, help="faults injected in all")
-    parser.add_argument("--fault-kinds", default=",".join(DEFAULT_FAULTS),
-                        help=f"comma-separated, of: {', '.join(sorted(FAULT_KINDS))}")
+    parser.add_argument("--target", choices=TARGETS, default="server",
+                        help="server: `raypaged serve` (one engine); serve: the Ray Serve app (two engine replicas)")
+    parser.add_argument("--fault-kinds", default=None,
+                        help=f"comma-separated, of: {', '.join(sorted(FAULT_KINDS))} (default: "
+                             f"{','.join(DEFAULT_FAULTS)}; --target serve: {','.join(SERVE_FAULTS)})")
+    parser.add_argument("--app-args", default=None,
+                        help="--target serve: build_app's arguments as JSON, over chaos_serve.py's defaults")
     parser.add_argument("--seed", type=int, default=ChaosConfig.seed)
     parser.add_argument("--name", default="cpu", help="results file: benchmarks/results/chaos_<name>.json")
     parser.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER,
                         help="after --: flags for raypaged serve (default: the demo model on CPU)")
     args = parser.parse_args(argv)
-    serve_args = [a for a in args.serve_args if a != "--"] or ["--device", "cpu"]
-    kinds = tuple(args.fault_kinds.split(","))
+    serve_args = [a for a in args.serve_args if a != "--"]
+    if args.target == "serve" and serve_args:
+        parser.error("--target serve takes --app-args, not raypaged serve's flags")
+    serve_args = serve_args or ["--device", "cpu"]
+    app_args = None
+    if args.app_args is not None:
+        if args.target != "serve":
+            parser.error("--app-args is for --target serve")
+        app_args = json.loads(args.app_args)
+    default_kinds = SERVE_FAULTS if args.target == "serve" else DEFAULT_FAULTS
+    kinds = tuple(args.fault_kinds.split(",")) if args.fault_kinds else default_kinds
     unknown = set(kinds) - set(FAULT_KINDS)
     if unknown:
         parser.error(f"unknown fault kinds: {', '.join(sorted(unknown))}")
     try:
-        check_kinds(kinds)
+        check_kinds(kinds, args.target)
     except ValueError as e:
         parser.error(str(e))
     config = ChaosConfig(num_calls=args.num_calls, concurrency=args.concurrency, num_faults=args.faults,
-                         fault_kinds=kinds, seed=args.seed)
+                         fault_kinds=kinds, seed=args.seed, target=args.target)
+    against = (f"the Serve app {json.dumps(app_args or {})}" if args.target == "serve"
+               else f"raypaged serve {' '.join(serve_args)}")
     print(f"chaos: {config.num_calls} calls, {config.concurrency} at a time, {config.num_faults} faults "
-          f"of {', '.join(kinds)}; raypaged serve {' '.join(serve_args)}")
-    result = run_chaos(serve_args, config)
+          f"of {', '.join(kinds)}; {against}")
+    result = run_chaos(serve_args, config, app_args=app_args)
     from benchmarks.lib.common import environment, write_json
 
     result["environment"] = environment()

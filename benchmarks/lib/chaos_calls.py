@@ -1,6 +1,7 @@
 """One planned chaos call (benchmarks/lib/chaos_plan.py) sent through its door — raypaged.v1
 gRPC or OpenAI HTTP (SSE) — and what it came to (`CallResult`). A call still open after the
-bound is `hung`; a client that leaves after its planned number of messages is `cancelled`."""
+bound is `hung`; an HTTP connection cut under it is an `error`; a client that leaves after its
+planned number of messages is `cancelled`."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ async def run_call(doors: Doors, call: PlannedCall, bound_s: float) -> CallResul
         result.outcome = await asyncio.wait_for(send(doors, call, result), bound_s)
     except TimeoutError:
         result.outcome, result.detail = HUNG, f"still open after {bound_s:.0f} s"
+    except aiohttp.ClientError as e:  # the connection cut mid-stream: a lost call, not the soak's end
+        result.outcome, result.detail = ERROR, f"HTTP connection failed: {e!r}"[:300]
     result.seconds = time.monotonic() - started
     return result
 

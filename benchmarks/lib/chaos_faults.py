@@ -6,8 +6,9 @@ schedule while its load runs, polls `recovered()` and reports the time to recove
 Whether anything was lost is not the fault's business: every request's output is checked
 against a fault-free reference run afterwards.
 
-The kinds here need only the server's process session (`LaunchedServer`): they find Ray's actor
-processes by their titles and signal them, as an OOM killer or a wedged device would.
+The kinds here need only the target's process session (benchmarks/lib/chaos_target.py
+`ChaosTarget`): they find Ray's actor processes by their titles and signal them, as an OOM
+killer or a wedged device would.
 
 - `worker_sigkill`: a TP worker actor's process SIGKILLed (the engine restarts its group and
   recomputes; frontend streams see nothing);
@@ -16,8 +17,12 @@ processes by their titles and signal them, as an OOM killer or a wedged device w
 - `worker_hang`: a TP worker SIGSTOPped, so its step never returns (the engine's step timeout
   declares the group hung and replaces it).
 
+On the Serve target (several engine replicas) `engine_sigkill` hits one replica's engine: the
+ingress carries its streams over to another replica and Serve replaces the replica.
+
 Kinds that need more than one server process plug in with `register()` and get their own
-target: `node_removed` (chaos_node.py, on chaos_cluster.py's multi-node cluster).
+target: `node_removed` (chaos_node.py, on chaos_cluster.py's multi-node cluster),
+`replica_killed` (chaos_replica.py, on chaos_serve.py's Serve app).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.lib.launched_server import LaunchedServer
+from benchmarks.lib.chaos_target import ChaosTarget
 
 ENGINE_ACTOR = "ray::EngineActor"
 WORKER_ACTOR = "ray::RayWorkerActor"
@@ -60,30 +65,31 @@ class FaultKind(ABC):
 
 
 class _ProcessFault(FaultKind):
-    """A fault on an actor process of a `LaunchedServer`'s session; recovered once none of the
-    processes of that actor class at injection time is left, as many new ones run, and the
-    server serves (`serving`)."""
+    """A fault on an actor process of a target's session; recovered once the victim is gone, as
+    many processes of that actor class run as at injection time, and the target serves (its
+    engines step again: what tells a restarted group or engine from one still restarting; other
+    engines' processes, a Serve target's other replicas, stay as they were)."""
 
     actor = WORKER_ACTOR
     sig = signal.SIGKILL
 
-    def __init__(self, target: LaunchedServer) -> None:
+    def __init__(self, target: ChaosTarget) -> None:
         super().__init__(target)
-        self.target: LaunchedServer = target
+        self.target: ChaosTarget = target
         self._before: list[int] = []
+        self._victim: int | None = None
 
     def inject(self, rng_value: float) -> str:
         self._before = self.target.pids_named(self.actor)
         if not self._before:
             raise RuntimeError(f"no {self.actor} process to fault (is the Ray executor on?)")
-        victim = self._before[int(rng_value * len(self._before))]
+        victim = self._victim = self._before[int(rng_value * len(self._before))]
         os.kill(victim, self.sig)
         return f"{signal.Signals(self.sig).name} {self.actor} pid {victim} of {len(self._before)}"
 
     def recovered(self) -> bool:
         now = self.target.pids_named(self.actor)
-        return (len(now) >= len(self._before) and not set(now) & set(self._before)
-                and serving(self.target))
+        return len(now) >= len(self._before) and self._victim not in now and self.target.serving()
 
 
 class WorkerSigkill(_ProcessFault):
@@ -109,23 +115,6 @@ class WorkerHang(_ProcessFault):
                 os.kill(pid, signal.SIGCONT)
             except OSError:  # gone: killed by the restart, as it should be
                 pass
-
-
-def serving(server: LaunchedServer, probe_timeout_s: float = 3.0) -> bool:
-    """Health SERVING and a two-token greedy request served: the engine steps again (a worker
-    group's health stays SERVING while it restarts; its new processes run before they serve)."""
-    from raypaged.client import Client, RequestError
-
-    assert server.address is not None
-    try:
-        with Client(server.address) as client:
-            if client.health(timeout=2) != "SERVING":
-                return False
-            result = client.generate([3, 4, 5], max_tokens=2, temperature=0.0, ignore_eos=True,
-                                     timeout=probe_timeout_s)
-            return len(result.outputs[0].token_ids) == 2
-    except RequestError:
-        return False
 
 
 FAULT_KINDS: dict[str, Callable[[Any], FaultKind]] = {

@@ -1,0 +1,258 @@
+"""The Serve app as a chaos soak's target (`ServeTarget`): an ingress (OpenAI HTTP through
+Serve's HTTP proxy, raypaged.v1 through its gRPC proxy) over at least two engine replicas, the
+app of `raypaged.serve:build_app`, so that a replica killed mid-stream has another to go on on.
+
+The app runs in a child process in a session of its own (`python -m benchmarks.lib.chaos_serve
+ARGS_JSON`: Ray of its own, Serve's proxies on free ports, the app; it logs the same ready line
+as `raypaged serve`, and SIGTERM deletes the app gracefully — streams in flight finish — then shuts Serve and Ray down,
+and exits 0), so its
+processes are measured and signalled as a `raypaged serve`'s are. The soak's process joins that
+Ray as a driver to read the replicas (their engines' pools, the ingress's streams) and to kill
+a replica's actor (`kill_replica`, the `replica_killed` fault of chaos_replica.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.lib.chaos_target import ChaosTarget, PoolReport
+from benchmarks.lib.launched_server import LaunchedServer
+
+if TYPE_CHECKING:
+    from raypaged.proto.v1 import raypaged_pb2 as pb
+
+APP = "raypaged"
+ENGINE = "raypaged_engine"  # build_app's engine deployment beside the ingress APP
+# A fraction of a CPU per replica: an ingress and two engine replicas fit in 2 cores. The pool
+# bounds a resumed stream's wait for a replica; Serve brings a killed one back in ~10-20 s here.
+DEFAULT_APP_ARGS: dict[str, Any] = {"model": None, "num_replicas": 2, "replica_num_cpus": 0.1,
+                                    "ingress_num_cpus": 0.1, "device": "cpu", "replica_recovery_timeout_s": 120.0}
+POOL_KEYS = ("num_blocks", "num_free_blocks", "num_running", "num_waiting")
+
+
+class ServeProcess(LaunchedServer):
+    """This module run as a child in a session of its own; ready once it logs its ready line."""
+
+    def __init__(self, app_args: dict[str, Any], num_cpus: int = 2) -> None:
+        # Not LaunchedServer.__init__: another command line, the same log reading.
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.lib.chaos_serve", json.dumps(app_args), str(num_cpus)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
+        self.log: list[str] = []
+        self.address: str | None = None
+        self.metrics_url: str | None = None
+        self.http_url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read_log, daemon=True).start()
+
+
+class ServeTarget(ChaosTarget):
+    """The Serve app of `app_args` (build_app's arguments over DEFAULT_APP_ARGS; at least two
+    engine replicas). Takes `replica_killed` and `engine_sigkill` (an engine actor's process:
+    its replica's streams go on on another, Serve replaces the replica as its health check
+    fails)."""
+
+    fault_kinds = frozenset({"replica_killed", "engine_sigkill"})
+
+    def __init__(self, app_args: dict[str, Any] | None = None, num_cpus: int = 2) -> None:
+        self.app_args = {**DEFAULT_APP_ARGS, **(app_args or {})}
+        self.num_replicas = int(self.app_args["num_replicas"])
+        if self.num_replicas < 2:
+            raise ValueError("a Serve chaos target needs at least 2 engine replicas (one to go on on)")
+        self.process = ServeProcess(self.app_args, num_cpus)
+        self._connected = False
+
+    # ---- the app, through a driver of its Ray ---------------------------------------------------
+    def start(self, timeout_s: float = 300.0) -> pb.ModelInfo:
+        import ray
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        from raypaged.client import Client
+
+        self.process.wait_ready(timeout_s)
+        self.address, self.http_url = self.process.address, self.process.http_url
+        # The app's Ray (ray.init of its own) has token authentication on, with this user's
+        # token; a driver joining it must present it (Ray does not turn it on for a join).
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        ray.init(address=self.process.gcs_address(), include_dashboard=False, log_to_driver=False)
+        self._connected = True
+        deadline = time.monotonic() + timeout_s
+        while len(self.engine_replicas()) < self.num_replicas:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {self.num_replicas} engine replicas came up")
+            time.sleep(0.2)
+        assert self.address is not None
+        with Client(self.address) as client:
+            return client.model_info()
+
+    def engine_replicas(self) -> list[str]:
+        """The unique ids of the engine replicas whose actors live now."""
+        import ray
+
+        prefix = f"SERVE_REPLICA::{APP}#{ENGINE}#"
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        return sorted(n[len(prefix):] for n in names if n.startswith(prefix))
+
+    def engine_stats(self, replica: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """That replica's serve/engine_deployment.py engine_stats (a call pinned to it)."""
+        from ray import serve
+
+        from raypaged.serve.route_hint import RouteHint
+
+        handle = serve.get_deployment_handle(ENGINE, APP)
+        return handle.engine_stats.remote(route=RouteHint(pin=replica)).result(timeout_s=timeout_s)
+
+    def ingress_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Streams in flight at the ingress, and how many went on on another replica so far."""
+        from ray import serve
+
+        return serve.get_app_handle(APP).ingress_stats.remote().result(timeout_s=timeout_s)
+
+    def kill_replica(self, rng_value: float, busy_wait_s: float = 10.0) -> tuple[str, int, int]:
+        """ray.kill one engine replica's actor: among those streaming now (mid-stream; waited
+        for up to busy_wait_s), else any, picked by `rng_value`. (the replica, its requests
+        running, replicas alive)."""
+        import ray
+
+        deadline = time.monotonic() + busy_wait_s
+        while True:
+            replicas = self.engine_replicas()
+            if not replicas:
+                raise RuntimeError("no engine replica to kill")
+            running = {r: _running(self, r) for r in replicas}
+            busy = [r for r in replicas if running[r] > 0]
+            if busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        busy = busy or replicas
+        victim = busy[int(rng_value * len(busy))]
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#{ENGINE}#{victim}", namespace="serve"), no_restart=True)
+        return victim, running[victim], len(replicas)
+
+    # ---- ChaosTarget ---------------------------------------------------------------------------
+    def serving(self) -> bool:
+        """As many engine replicas as asked, each answering, and a two-token request served."""
+        from raypaged.client import Client
+
+        try:
+            replicas = self.engine_replicas()
+            if len(replicas) < self.num_replicas:
+                return False
+            for replica in replicas:
+                self.engine_stats(replica, timeout_s=3.0)
+            assert self.address is not None
+            with Client(self.address) as client:
+                result = client.generate([3, 4, 5], max_tokens=2, temperature=0.0, ignore_eos=True, timeout=5.0)
+            return len(result.outputs[0].token_ids) == 2
+        except Exception:  # noqa: BLE001 - a replica starting or gone, a probe refused: not yet
+            return False
+
+    def settle(self, timeout_s: float = 15.0) -> PoolReport:
+        """Whole: the ingress holds no stream and every engine replica is idle with its pool whole."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = self._pools()
+            if report.whole or time.monotonic() > deadline:
+                return report
+            time.sleep(0.25)
+
+    def _pools(self) -> PoolReport:
+        try:
+            ingress = self.ingress_stats()
+            stats = [self.engine_stats(r) for r in self.engine_replicas()]
+        except Exception:  # noqa: BLE001 - a replica replaced meanwhile: not settled yet
+            return PoolReport(False, dict.fromkeys(POOL_KEYS), None)
+        pool: dict[str, float | None] = {k: float(sum(s[k] for s in stats)) for k in POOL_KEYS}
+        whole = (len(stats) >= self.num_replicas and ingress["in_flight"] == 0
+                 and all(s["num_running"] == s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_blocks"]
+                         for s in stats))
+        return PoolReport(whole, {**pool, "replicas": float(len(stats)), "ingress_in_flight": ingress["in_flight"]},
+                          ingress["resumed"])
+
+    def gcs_address(self) -> str | None:
+        return self.process.gcs_address()
+
+    def session_pids(self) -> list[int]:
+        return self.process.session_pids()
+
+    def pids_named(self, prefix: str) -> list[int]:
+        return self.process.pids_named(prefix)
+
+    def rss_by_process(self) -> dict[int, tuple[str, int]]:
+        return self.process.rss_by_process()
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        self._disconnect()
+        return self.process.stop(timeout_s)
+
+    def kill(self) -> None:
+        self._disconnect()
+        self.process.kill()
+
+    def _disconnect(self) -> None:
+        if self._connected:
+            import ray
+
+            ray.shutdown()
+            self._connected = False
+
+
+def _running(target: ServeTarget, replica: str) -> int:
+    try:
+        return int(target.engine_stats(replica)["num_running"])
+    except Exception:  # noqa: BLE001 - gone meanwhile: nothing of it to catch mid-stream
+        return 0
+
+
+# ---- the child process ---------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str]) -> int:
+    """Ray (num_cpus), Serve's proxies and the app of the JSON arguments; the ready line; on
+    SIGTERM the app deleted gracefully (streams in flight finish), then Serve and Ray; exit 0."""
+    import ray
+    from ray import serve
+
+    from raypaged.serve import GRPC_SERVICER_FUNCTION, build_app
+
+    app_args, num_cpus = json.loads(argv[0]), int(argv[1])
+    http, grpc_port, metrics = _free_port(), _free_port(), _free_port()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after ray.init, which sets its own (exit 15)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]})
+        serve.run(build_app(app_args), name=APP, route_prefix="/")
+        print(f"raypaged ready: Serve app {APP} on 127.0.0.1:{grpc_port}, metrics on "
+              f"http://127.0.0.1:{metrics}/metrics, OpenAI API on http://127.0.0.1:{http}/v1", flush=True)
+        while not stop.wait(0.5):
+            pass
+        # The app first, alone: Serve stops its replicas gracefully (each finishes the requests
+        # it holds, within graceful_shutdown_timeout_s) while the proxies still carry their
+        # streams; serve.shutdown() at once would take the proxies down under them.
+        serve.delete(APP)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
