@@ -10,8 +10,9 @@ timing; at --rows it times the best config found (and the current default) again
 Writes gemv_<device>.json and a PNG under --out; `--replot JSON` redraws a saved run's PNG.
 --fp8: each linear with an e4m3 weight instead, at each --rows: the weight-only skinny kernel
 (kernels/gemv_fp8.py, its default config) against W8A8 as the larger steps run it (the rows'
-quantization kernel + torch._scaled_mm) and bf16 cuBLAS, bandwidth by each one's own bytes ->
-gemv_fp8_<device>.json.
+quantization kernel + torch._scaled_mm; the GEMM alone too, with row-wise and with tensor-wise
+scales) and bf16 cuBLAS, bandwidth by each one's own bytes -> gemv_fp8_<device>.json. Past the
+skinny kernel's rows (gemv_config.MAX_ROWS) only the W8A8 and bf16 columns.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ from benchmarks.lib.common import (
 )
 from raypaged.kernels import gemv_table
 from raypaged.kernels.gemv import gemv_triton
-from raypaged.kernels.gemv_config import padded_rows
+from raypaged.kernels.gemv_config import MAX_ROWS, padded_rows
 
 DTYPE = torch.bfloat16
 
@@ -164,16 +166,32 @@ def _w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
 
 
+def _w8a8_gemm_alone(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                     tensorwise: bool) -> Callable[[], torch.Tensor]:
+    """The FP8 GEMM without the rows' quantization (done once, outside the timing): row-wise
+    scales (what the engine launches) or one scale per operand (cuBLASLt's tensor-wise path), to
+    tell the quantization kernel's cost from the GEMM kernel's."""
+    from raypaged.kernels.fp8_quant import quantize_fp8_triton
+
+    xq, x_scale = quantize_fp8_triton(x)
+    if tensorwise:
+        x_scale, scale = x_scale.max().reshape(()), scale.max().reshape(())
+    else:
+        scale = scale.view(1, -1)
+    return lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=scale, out_dtype=torch.bfloat16)
+
+
 def fp8_rows(args: argparse.Namespace, result: dict) -> None:
     """--fp8: per linear and row count, W8A16 skinny kernel vs W8A8 (_scaled_mm) vs bf16 cuBLAS."""
     for name, (n, k) in weight_shapes(args.shape, args.tp).items():
         for rows in [int(r) for r in args.rows.split(",")]:
             row = _fp8_row(name, n, k, rows)
             result["rows"].append(row)
-            log(f"{name:8s} rows {rows:2d}: W8A16 {row['w8a16_TBps']:.2f} TB/s ({row['w8a16_us']:.1f} us), "
-                f"W8A8 {row['w8a8_scaled_mm_TBps']:.2f} ({row['w8a8_scaled_mm_us']:.1f} us), bf16 cuBLAS "
-                f"{row['cublas_bf16_TBps']:.2f} ({row['cublas_bf16_us']:.1f} us); "
-                f"error {row['w8a16_rel_error']:.1e}")
+            skinny = (f"W8A16 {row['w8a16_us']:.1f} us (error {row['w8a16_rel_error']:.1e}), "
+                      if "w8a16_us" in row else "")
+            log(f"{name:8s} rows {rows:3d}: {skinny}W8A8 {row['w8a8_scaled_mm_us']:.1f} us (GEMM alone: "
+                f"row-wise {row['w8a8_gemm_rowwise_us']:.1f}, tensor-wise {row['w8a8_gemm_tensorwise_us']:.1f}), "
+                f"bf16 cuBLAS {row['cublas_bf16_us']:.1f} us")
             torch.cuda.empty_cache()
 
 
@@ -232,19 +250,22 @@ def _fp8_row(name: str, n: int, k: int, rows: int) -> dict:
 
     case = Case(n, k, rows)
     quantized = [quantize_weight(w) for w in case.weights]
-    config = w8a16_config(case.x[0], quantized[0][0]) or default_config(n, k, 1, rows=rows)
-    exact = weight_only_matmul_reference(case.x[0], *quantized[0])
-    ours = gemv_w8a16(case.x[0], *quantized[0], None, config).float()
-    row = {"linear": name, "out": n, "in": k, "rows": rows, "w8a16_config": config,
-           "w8a16_rel_error": ((ours - exact).abs().max() / exact.abs().max()).item()}
+    row: dict = {"linear": name, "out": n, "in": k, "rows": rows}
     fp8_bytes = n * k + rows * (k + n) * DTYPE.itemsize
-    timed = {
-        "cublas_bf16": (case.time(F.linear), case.bytes),
-        "w8a16": (graph_time(lambda i: gemv_w8a16(case.x[i], *quantized[i], None, config),
-                             case.variants, calls=24, replays=15), fp8_bytes),
-        "w8a8_scaled_mm": (graph_time(lambda i: _w8a8(case.x[i], *quantized[i]),
-                                      case.variants, calls=24, replays=15), fp8_bytes),
-    }  # fmt: skip
+    timed = {"cublas_bf16": (case.time(F.linear), case.bytes)}
+    if rows <= MAX_ROWS:  # the skinny kernel's range
+        config = w8a16_config(case.x[0], quantized[0][0]) or default_config(n, k, 1, rows=rows)
+        exact = weight_only_matmul_reference(case.x[0], *quantized[0])
+        ours = gemv_w8a16(case.x[0], *quantized[0], None, config).float()
+        row |= {"w8a16_config": config,
+                "w8a16_rel_error": ((ours - exact).abs().max() / exact.abs().max()).item()}
+        timed["w8a16"] = (graph_time(lambda i: gemv_w8a16(case.x[i], *quantized[i], None, config),
+                                     case.variants, calls=24, replays=15), fp8_bytes)
+    timed["w8a8_scaled_mm"] = (graph_time(lambda i: _w8a8(case.x[i], *quantized[i]),
+                                          case.variants, calls=24, replays=15), fp8_bytes)
+    for label, tensorwise in (("w8a8_gemm_rowwise", False), ("w8a8_gemm_tensorwise", True)):
+        gemms = [_w8a8_gemm_alone(case.x[i], *quantized[i], tensorwise) for i in range(case.variants)]
+        timed[label] = (graph_time(lambda i, gemms=gemms: gemms[i](), case.variants, calls=24, replays=15), fp8_bytes)
     for label, (seconds, size) in timed.items():
         row[f"{label}_us"], row[f"{label}_TBps"] = seconds * 1e6, size / seconds / 1e12
     return row
