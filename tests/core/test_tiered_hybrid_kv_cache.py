@@ -1,15 +1,16 @@
 """The host tier over KV-cache groups: TieredHybridKVCacheManager step by step, and the real
 scheduler over random mixes of full and sliding groups with a small host pool.
 
-The random sequences are test_kv_cache_groups.py's scheduler sequences (n > 1 forks, aborts,
-preemption by recompute or swap, chunking, asynchronous scheduling) on this manager, with
-test_tiered_kv_cache.py's TierShadowWorker given the groups' windows: a slot holds (group,
-prefix id), host blocks keep what was offloaded, and every read a group's layers make is
-checked, so a host hit that brings back other tokens, or another group's block, fails. After
-every step: reference counts equal the tables holding each block, the free queue is exactly the
-unheld blocks, a sliding group holds no more than its window needs, each hash is cached by one
-GPU block and one host block at most, and every host pin is a swapped request's. At the end both
-pools are whole, and the outputs are those of the same groups without a host tier.
+The random sequences are the grouped scheduler sequences (tests/support/group_sequences.py: n > 1
+forks, aborts, preemption by recompute or swap, chunking, asynchronous scheduling) on this
+manager, with the TierShadowWorker (tests/support/tier_shadow_worker.py) given the groups'
+windows: a slot holds (group, prefix id), host blocks keep what was offloaded, and every read a
+group's layers make is checked, so a host hit that brings back other tokens, or another group's
+block, fails. After every step: reference counts equal the tables holding each block, the free
+queue is exactly the unheld blocks, a sliding group holds no more than its window needs, each
+hash is cached by one GPU block and one host block at most, and every host pin is a swapped
+request's. At the end both pools are whole, and the outputs are those of the same groups without
+a host tier.
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ from raypaged.core.hybrid_kv_cache_manager import NULL_BLOCK_ID, HybridKVCacheMa
 from raypaged.core.kv_cache_groups import KVCacheGroupSpec
 from raypaged.core.request import RequestStatus
 from raypaged.core.tiered_hybrid_kv_cache_manager import TieredHybridKVCacheManager
-from tests.core.test_kv_cache_groups import FAST, SLOW, run_scheduler_on_groups, windows_lists
-from tests.core.test_properties import (
+from tests.support.core_fakes import make_request
+from tests.support.group_sequences import FAST, SLOW, run_scheduler_on_groups, windows_lists
+from tests.support.scheduler_sequences import (
     VOCAB,
     operations,
     run_to_completion,
     scheduler_configs,
     token_at,
 )
-from tests.core.test_tiered_kv_cache import TierShadowWorker
-from tests.support.core_fakes import make_request
+from tests.support.tier_shadow_worker import TierShadowWorker
 
 FULL, SLIDING = KVCacheGroupSpec(None), KVCacheGroupSpec(4)
 

@@ -1,9 +1,10 @@
 """The host tier of KV blocks: HostBlockPool, TieredKVCacheManager, and random scheduler
 sequences over both tiers.
 
-The sequences are test_properties.py's, run with a TieredKVCacheManager (a small host pool,
-recompute or swap preemption) and a ShadowWorker that also keeps host blocks and applies each
-step's transfers (offloads, then loads) before its forward: its check that every K/V read is
+The sequences are test_properties.py's (tests/support/scheduler_sequences.py), run with a
+TieredKVCacheManager (a small host pool, recompute or swap preemption) and a TierShadowWorker
+(tests/support/tier_shadow_worker.py), a ShadowWorker that also keeps host blocks and applies
+each step's transfers (offloads, then loads) before its forward: its check that every K/V read is
 the reader's own prefix is what proves a host hit only ever brings back the same tokens. After
 every step both tiers' invariants hold; at the end both pools are whole (GPU blocks all free, host
 blocks free or cached and none pinned); and the outputs (tokens drawn as a function of request
@@ -20,11 +21,11 @@ from hypothesis import strategies as st
 
 from raypaged.core.block_pool import hash_block_tokens
 from raypaged.core.host_block_pool import HostBlockPool
-from raypaged.core.outputs import SchedulerOutput
 from raypaged.core.request import RequestStatus
 from raypaged.core.scheduler import SchedulerConfig
 from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
-from tests.core.test_properties import (
+from tests.support.core_fakes import make_request
+from tests.support.scheduler_sequences import (
     FAST,
     SLOW,
     operations,
@@ -33,7 +34,7 @@ from tests.core.test_properties import (
     scheduler_configs,
     token_at,
 )
-from tests.support.core_fakes import ShadowWorker, make_request
+from tests.support.tier_shadow_worker import TierShadowWorker
 
 
 def h(tokens, parent=None, salt=None):
@@ -138,43 +139,6 @@ def test_swap_preemption_pins_the_blocks_until_resumption():
 
 
 # ---- random sequences over both tiers ------------------------------------------------------------
-
-class TierShadowWorker(ShadowWorker):
-    """A ShadowWorker with a host pool: each step's offloads, then loads, before the rest."""
-
-    def __init__(self, num_host_blocks: int, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.host: list[list[int | None] | None] = [None] * num_host_blocks
-        self.num_offloads = self.num_loads = self.num_prefetched = 0
-
-    def _execute(self, out: SchedulerOutput):
-        transfers = out.kv_transfers
-        if transfers is not None:
-            assert transfers, "an empty KVTransfers is sent as None"
-            hosts = [host for _, host in transfers.offloads]
-            gpus = [gpu for _, gpu in transfers.loads]
-            assert len(set(hosts)) == len(hosts) and len(set(gpus)) == len(gpus)
-            for gpu, host in transfers.offloads:
-                assert None not in self.kv[gpu], f"offloading block {gpu}, which is not full"
-                self.host[host] = list(self.kv[gpu])
-            loads = [(host, gpu, self.host[host]) for host, gpu in transfers.loads]
-            assert all(data is not None for _, _, data in loads), "loading a host block holding nothing"
-            if transfers.loads_read_now:
-                self._load(loads)
-            self.num_offloads += len(transfers.offloads)
-            self.num_loads += len(transfers.loads)
-        result = super()._execute(out)
-        if transfers is not None and not transfers.loads_read_now:
-            # Prefetches overlap the forward: as if they landed only after it (a read of one
-            # in this step would read the block's old contents, and fail the read check).
-            self._load(loads)
-            self.num_prefetched += len(loads)
-        return result
-
-    def _load(self, loads) -> None:
-        for _, gpu, data in loads:
-            self.kv[gpu] = list(data)
-
 
 def check_host_tier(scheduler) -> None:
     kv = scheduler.kv_cache_manager

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig, ModelConfigError
 from raypaged.model.loader import CheckpointError, load_model, load_weights, resolve_dtype
+from tests.support.checkpoint_edits import checkpoint_state, edit_config, edit_tensors
 from tests.support.checkpoints import checkpoint_dir, copy_checkpoint
 
 
@@ -20,20 +17,6 @@ def _single_rank():
     parallel.reset_tensor_parallel()
     yield
     parallel.reset_tensor_parallel()
-
-
-def checkpoint_state(name: str) -> dict[str, torch.Tensor]:
-    path = checkpoint_dir(name)
-    index = path / "model.safetensors.index.json"
-    files = (
-        {path / f for f in json.loads(index.read_text())["weight_map"].values()}
-        if index.exists()
-        else {path / "model.safetensors"}
-    )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
 
 
 def test_loaded_parameters_equal_checkpoint_tensors():
@@ -106,40 +89,22 @@ def test_bad_load_dtype_is_refused():
     assert resolve_dtype("bf16", config) == torch.bfloat16
 
 
-def _edit_config(**changes):
-    def edit(path: Path) -> None:
-        config = json.loads((path / "config.json").read_text())
-        config.update(changes)
-        (path / "config.json").write_text(json.dumps(config))
-
-    return edit
-
-
-def _edit_tensors(change):
-    def edit(path: Path) -> None:
-        state = load_file(path / "model.safetensors")
-        change(state)
-        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-
-    return edit
-
-
 def test_unknown_architecture_is_named(tmp_path):
-    path = copy_checkpoint("llama", tmp_path / "m", _edit_config(architectures=["GPT2LMHeadModel"]))
+    path = copy_checkpoint("llama", tmp_path / "m", edit_config(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ModelConfigError, match=r"unknown architecture \['GPT2LMHeadModel'\]"):
         load_model(path, dtype=torch.float32, progress=False)
 
 
 def test_missing_tensor_is_named(tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
-    path = copy_checkpoint("llama", tmp_path / "m", _edit_tensors(lambda s: s.pop(name)))
+    path = copy_checkpoint("llama", tmp_path / "m", edit_tensors(lambda s: s.pop(name)))
     with pytest.raises(CheckpointError, match=f"missing tensor in checkpoint: {name}"):
         load_model(path, dtype=torch.float32, progress=False)
 
 
 def test_missing_bias_is_named(tmp_path):
     # A Llama checkpoint whose config claims biases it does not have.
-    path = copy_checkpoint("llama", tmp_path / "m", _edit_config(attention_bias=True))
+    path = copy_checkpoint("llama", tmp_path / "m", edit_config(attention_bias=True))
     with pytest.raises(CheckpointError, match=r"missing tensors .*q_proj\.bias"):
         load_model(path, dtype=torch.float32, progress=False)
 
@@ -150,19 +115,19 @@ def test_wrong_shape_is_named(tmp_path):
     def shrink(state):
         state[name] = state[name][:-8].clone()
 
-    path = copy_checkpoint("llama", tmp_path / "m", _edit_tensors(shrink))
+    path = copy_checkpoint("llama", tmp_path / "m", edit_tensors(shrink))
     with pytest.raises(CheckpointError, match=rf"{name}' has shape \(120, 64\), expected \(128, 64\)"):
         load_model(path, dtype=torch.float32, progress=False)
 
 
 def test_config_that_disagrees_with_weights_is_refused(tmp_path):
-    path = copy_checkpoint("llama", tmp_path / "m", _edit_config(intermediate_size=96))
+    path = copy_checkpoint("llama", tmp_path / "m", edit_config(intermediate_size=96))
     with pytest.raises(CheckpointError, match=r"expected \(96, 64\) from config.json"):
         load_model(path, dtype=torch.float32, progress=False)
 
 
 def test_unexpected_tensor_is_named(tmp_path):
-    path = copy_checkpoint("llama", tmp_path / "m", _edit_config(num_hidden_layers=1))
+    path = copy_checkpoint("llama", tmp_path / "m", edit_config(num_hidden_layers=1))
     with pytest.raises(CheckpointError, match=r"unexpected tensors .*model\.layers\.1\."):
         load_model(path, dtype=torch.float32, progress=False)
 
@@ -173,7 +138,7 @@ def test_unsupported_checkpoint_dtype_is_named(tmp_path):
     def quantise(state):
         state[name] = state[name].to(torch.int8)
 
-    path = copy_checkpoint("llama", tmp_path / "m", _edit_tensors(quantise))
+    path = copy_checkpoint("llama", tmp_path / "m", edit_tensors(quantise))
     with pytest.raises(CheckpointError, match=f"tensor '{name}' has dtype I8"):
         load_model(path, dtype=torch.float32, progress=False)
 

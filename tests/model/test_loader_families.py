@@ -10,7 +10,7 @@ import torch
 from raypaged.model import parallel
 from raypaged.model.config import ModelConfig, ModelConfigError
 from raypaged.model.loader import CheckpointError, load_model
-from tests.model.test_loader import _edit_config, _edit_tensors, checkpoint_state
+from tests.support.checkpoint_edits import checkpoint_state, edit_config, edit_tensors
 from tests.support.checkpoints import checkpoint_dir, copy_checkpoint
 
 
@@ -57,7 +57,7 @@ def test_qwen3_head_norms_are_replicated_and_heads_split():
 
 
 def _pop(name: str):
-    return _edit_tensors(lambda state: state.pop(name))
+    return edit_tensors(lambda state: state.pop(name))
 
 
 @pytest.mark.parametrize("name, edit, error, message", [
@@ -66,19 +66,19 @@ def _pop(name: str):
     ("phi3", _pop("model.layers.0.self_attn.qkv_proj.weight"), CheckpointError,
      r"missing tensor in checkpoint: model\.layers\.0\.self_attn\.qkv_proj\.weight"),
     # An unfused projection beside the fused one: config.json does not describe the checkpoint.
-    ("phi3", _edit_tensors(lambda s: s.update({"model.layers.0.self_attn.q_proj.weight":
-                                               torch.zeros(64, 64)})),
+    ("phi3", edit_tensors(lambda s: s.update({"model.layers.0.self_attn.q_proj.weight":
+                                              torch.zeros(64, 64)})),
      CheckpointError, r"unexpected tensor in checkpoint .*model\.layers\.0\.self_attn\.q_proj"),
     # A Llama-layout (unfused) checkpoint labelled Phi-3.
-    ("llama", _edit_config(architectures=["Phi3ForCausalLM"]), CheckpointError,
+    ("llama", edit_config(architectures=["Phi3ForCausalLM"]), CheckpointError,
      r"missing tensors in checkpoint: .*qkv_proj\.weight"),
-    ("phi3", _edit_config(num_key_value_heads=4), CheckpointError,
+    ("phi3", edit_config(num_key_value_heads=4), CheckpointError,
      r"qkv_proj\.weight' has shape \(128, 64\), expected \(192, 64\)"),
-    ("qwen3", _edit_config(architectures=["Qwen3MoeForCausalLM"]), ModelConfigError,
+    ("qwen3", edit_config(architectures=["Qwen3MoeForCausalLM"]), ModelConfigError,
      r"unknown architecture \['Qwen3MoeForCausalLM'\]"),
-    ("qwen3", _edit_config(rope_parameters={"rope_type": "mrope", "rope_theta": 1e6}),
+    ("qwen3", edit_config(rope_parameters={"rope_type": "mrope", "rope_theta": 1e6}),
      ModelConfigError, "rope type 'mrope' is not supported"),
-    ("phi3", _edit_config(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 8}),
+    ("phi3", edit_config(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 8}),
      ModelConfigError, "longrope rope scaling is missing 'long_factor'"),
 ])  # fmt: skip
 def test_unservable_checkpoints_fail_at_load_naming_the_problem(tmp_path, name, edit, error, message):

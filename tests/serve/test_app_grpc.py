@@ -9,15 +9,10 @@ import grpc
 import pytest
 
 from raypaged.proto.v1 import raypaged_pb2 as pb
-from raypaged.proto.v1 import raypaged_pb2_grpc as pb_grpc
 from tests.serve.serve_harness import APP, MAX_TOKENS, PROMPTS, engines_idle
+from tests.support.serve_grpc import grpc_stub
 
 pytestmark = pytest.mark.integration
-
-
-def grpc_stub(server) -> tuple[pb_grpc.RaypagedServiceStub, grpc.Channel]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{server['grpc']}")
-    return pb_grpc.RaypagedServiceStub(channel), channel
 
 
 APP_METADATA = (("application", APP),)  # which Serve application the proxy routes to

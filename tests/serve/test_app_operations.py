@@ -33,9 +33,9 @@ from tests.serve.serve_harness import (
     ingress_stats,
     named_call,
 )
-from tests.serve.test_app_grpc import grpc_stub
 from tests.support.checkpoints import demo_model_missing
 from tests.support.ray_state import live_placement_groups
+from tests.support.serve_grpc import grpc_stub
 
 pytestmark = pytest.mark.integration
 

@@ -22,6 +22,7 @@ from raypaged.serve.chat_template import DEFAULT_CHAT_TEMPLATE, chat_prompt_toke
 from raypaged.serve.openai_api import OpenAIFrontDoor
 from raypaged.serve.standalone_http import build_http_app
 from raypaged.text.chat_parsing import ChatParsing
+from tests.support.chat_messages import streamed_message, whole_message
 from tests.support.checkpoints import checkpoint_dir
 
 WEATHER = {"type": "function", "function": {
@@ -95,38 +96,6 @@ def _api(service: _ScriptedService, parsing: ChatParsing) -> openai.OpenAI:
     front = OpenAIFrontDoor(service, FrontendMetrics("demo", 4096), parsing=parsing)  # type: ignore[arg-type]
     http = TestClient(build_http_app(front))
     return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
-
-
-def streamed_message(chunks: list[ChatCompletionChunk], index: int = 0) -> dict[str, Any]:
-    """A stream's deltas of one choice, added up as the whole answer's message would read."""
-    content, reasoning, calls, finish = "", "", {}, None
-    for chunk in chunks:
-        for choice in chunk.choices:
-            if choice.index != index:
-                continue
-            delta = choice.delta
-            content += delta.content or ""
-            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"id": call.id, "name": None, "arguments": ""})
-                assert call.function is not None
-                if call.function.name is not None:
-                    assert entry["name"] is None and entry["arguments"] == "", "the name comes first"
-                    entry["name"] = call.function.name
-                entry["arguments"] += call.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return {"content": content or None, "reasoning": reasoning or None, "finish": finish,
-            "calls": [(c["name"], c["arguments"]) for _, c in sorted(calls.items())],
-            "ids": [c["id"] for _, c in sorted(calls.items())]}
-
-
-def whole_message(response: ChatCompletion, index: int = 0) -> dict[str, Any]:
-    choice = response.choices[index]
-    message = choice.message
-    calls = message.tool_calls or []
-    return {"content": message.content, "reasoning": (message.model_extra or {}).get("reasoning_content"),
-            "finish": choice.finish_reason, "calls": [(c.function.name, c.function.arguments) for c in calls],
-            "ids": [c.id for c in calls]}
 
 
 def test_hermes_and_qwen3_end_to_end_streamed_equals_whole(hermes_tokenizer):

@@ -20,7 +20,7 @@ from raypaged.frontend.metrics import FrontendMetrics
 from raypaged.frontend.service import GenerationService
 from raypaged.serve.openai_api import OpenAIFrontDoor
 from raypaged.serve.standalone_http import build_http_app
-from tests.serve.test_chat_tools import streamed_message, whole_message
+from tests.support.chat_messages import streamed_message, whole_message
 from tests.support.checkpoints import demo_model_missing
 from tests.support.inprocess_engine import InProcessEngine
 
