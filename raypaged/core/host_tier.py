@@ -28,7 +28,7 @@ from typing import Any
 from raypaged.core.block_pool import BlockHash, BlockPool
 from raypaged.core.host_block_pool import HostBlockPool
 from raypaged.core.kv_cache_interface import KVCacheManagerInterface, KVCacheStats
-from raypaged.core.outputs import KVTransfers
+from raypaged.core.outputs import KVCopyTimes, KVTransfers
 
 __all__ = ["HostTier", "HostTierManager", "OffloadingBlockPool"]
 
@@ -58,6 +58,8 @@ class HostTier:
         self.offloads: list[tuple[int, int]] = []  # (GPU block, host block), this step
         self.loads: list[tuple[int, int]] = []  # (host block, GPU block), this step
         self.step_pins: list[int] = []  # host pins that last until take_transfers
+        # The workers' copy times as last reported (they keep them: a reset leaves them be).
+        self.copy_times = KVCopyTimes()
         # Preempted by swap -> the host blocks pinned for it until it resumes or ends.
         self.swapped: dict[str, list[int]] = {}
         self.prefetched: set[str] = set()  # waited one step for a prefetch (until allocated)
@@ -150,7 +152,8 @@ class HostTier:
             gpu, host_cache_hits=self.host_hit_tokens, num_host_blocks=self.pool.num_blocks,
             num_host_free_blocks=self.pool.num_free_blocks,
             offloaded_bytes=self.num_offloaded * self.block_bytes,
-            loaded_bytes=self.num_loaded * self.block_bytes)
+            loaded_bytes=self.num_loaded * self.block_bytes,
+            host_copy_s=self.copy_times.copy_s, host_copy_exposed_s=self.copy_times.exposed_s)
 
     def check_pins(self) -> None:
         """Assert (tests) the pool's invariants, no copy left untaken, and that every pin is a
@@ -202,6 +205,9 @@ class HostTierManager(KVCacheManagerInterface):
 
     def stats(self) -> KVCacheStats:
         return self.tier.stats(super().stats())  # type: ignore[safe-super]
+
+    def record_copy_times(self, times: KVCopyTimes) -> None:
+        self.tier.copy_times = times
 
     @property
     def num_swapped_requests(self) -> int:

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from raypaged.core.block_pool import BlockPool
-from raypaged.core.outputs import KVTransfers
+from raypaged.core.outputs import KVCopyTimes, KVTransfers
 from raypaged.core.request import Request
 
 
@@ -41,6 +41,10 @@ class KVCacheStats:
     num_host_free_blocks: int = 0
     offloaded_bytes: int = 0  # copied GPU -> host since the start, over every rank
     loaded_bytes: int = 0  # copied host -> GPU
+    # Seconds of those copies since the start (worker/copy_timing.py), on the slowest rank:
+    # the copy stream's time on them, and of it what the forward waited for.
+    host_copy_s: float = 0.0
+    host_copy_exposed_s: float = 0.0
 
     @property
     def num_used_blocks(self) -> int:
@@ -64,6 +68,11 @@ class KVCacheStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def host_copy_hidden_s(self) -> float:
+        """Copy seconds the forward overlapped (never below 0)."""
+        return max(0.0, self.host_copy_s - self.host_copy_exposed_s)
 
 
 class KVCacheManagerInterface(ABC):
@@ -168,6 +177,11 @@ class KVCacheManagerInterface(ABC):
     def take_cache_events(self) -> list[int]:
         """The cache events since the last call (core/block_pool.py stored_event / removed_event)."""
         return []
+
+    # ---- what the workers report ----------------------------------------------------------------
+    def record_copy_times(self, times: KVCopyTimes) -> None:  # noqa: B027 - only a host tier copies
+        """The host tier's copy times so far (running totals, the engine's over every worker
+        group it ran), for stats(). A manager without a host tier gets none."""
 
 
 class PagedKVCacheManagerBase(KVCacheManagerInterface):

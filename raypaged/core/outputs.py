@@ -63,6 +63,31 @@ class KVTransfers:
         return bool(self.offloads or self.loads)
 
 
+@dataclass(frozen=True)
+class KVCopyTimes:
+    """Seconds the host tier's copies took on a rank since its worker started (worker/
+    copy_timing.py), both running totals: copy_s the side stream spent on them, exposed_s the
+    compute stream stalled waiting for them (on CPU, where copies are synchronous, all of it).
+    hidden_s is the rest: copy time the forward overlapped."""
+
+    copy_s: float = 0.0
+    exposed_s: float = 0.0
+
+    @property
+    def hidden_s(self) -> float:
+        return max(0.0, self.copy_s - self.exposed_s)
+
+    def __add__(self, other: KVCopyTimes) -> KVCopyTimes:
+        return KVCopyTimes(self.copy_s + other.copy_s, self.exposed_s + other.exposed_s)
+
+    @staticmethod
+    def slowest(ranks: list[KVCopyTimes]) -> KVCopyTimes:
+        """Over tensor-parallel ranks: each total's max (a step waits for its slowest rank), so
+        each stays monotone; the two maxima may come from different ranks."""
+        return KVCopyTimes(max((r.copy_s for r in ranks), default=0.0),
+                           max((r.exposed_s for r in ranks), default=0.0))
+
+
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -118,7 +143,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Rank 0's answer to one SchedulerOutput."""
+    """Rank 0's answer to one SchedulerOutput (another rank's, when it has a host tier: only
+    its kv_copy_times)."""
 
     req_ids: list[str] = field(default_factory=list)
     # Per request: [] for a prefill chunk that does not reach the end of its tokens; n tokens
@@ -131,6 +157,9 @@ class ModelRunnerOutput:
     # Prompt logprobs the step scored, by request: (index of the first prompt token scored, one
     # entry per prompt token from there). Only requests that asked and computed prompt tokens.
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    # The host tier's copy times, running totals (None without a host tier). Every rank sends
+    # its own; the executor hands on the slowest's (KVCopyTimes.slowest).
+    kv_copy_times: KVCopyTimes | None = None
 
 
 @dataclass(slots=True)

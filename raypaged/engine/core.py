@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.async_scheduler import AsyncScheduler, make_scheduler
 from raypaged.core.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
-from raypaged.core.outputs import EngineCoreOutputs, NewRequestData, SchedulerOutput
+from raypaged.core.outputs import EngineCoreOutputs, KVCopyTimes, NewRequestData, SchedulerOutput
 from raypaged.core.parallel_sampling import end_records
 from raypaged.core.request import ENGINE_FAILED, FinishReason, Request, RequestStatus
 from raypaged.engine.kv_managers import kv_cache_manager_for
@@ -110,6 +110,10 @@ class EngineCore:
         self._executor_class = executor_class
         self._consecutive_failures = 0
         self.num_worker_restarts = 0
+        # The host tier's copy times: the workers' running totals start at zero in each new
+        # group, so those of the groups before it are carried here (the stats never go down).
+        self._copy_times_before = KVCopyTimes()
+        self._copy_times = KVCopyTimes()  # the current group's, as last reported
         self.dead: str | None = None  # set once the workers cannot be brought back
         # Everything allocated so far lives as long as the engine: keep the collector from
         # rescanning it on every step (the scheduler allocates a few objects per request per step).
@@ -279,6 +283,10 @@ class EngineCore:
         else:
             self._consecutive_failures = 0
             with self._lock:
+                if model_output is not None and model_output.kv_copy_times is not None:
+                    self._copy_times = model_output.kv_copy_times
+                    self.scheduler.kv_cache_manager.record_copy_times(
+                        self._copy_times_before + self._copy_times)
                 if answered is None:
                     assert isinstance(self.scheduler, AsyncScheduler)
                     update = self.scheduler.take_pending_outputs()
@@ -348,6 +356,8 @@ class EngineCore:
             self.executor.shutdown()
         except Exception:  # the group is already broken; what matters is the new one
             logger.debug("executor shutdown after failure", exc_info=True)
+        self._copy_times_before += self._copy_times
+        self._copy_times = KVCopyTimes()
         self.executor = self._executor_class(self.config, self.model_dir)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from raypaged.config import EngineConfig
-from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.core.outputs import KVCopyTimes, ModelRunnerOutput, SchedulerOutput
 from raypaged.executor.base import Executor, WorkerCall, call_on_worker
 from raypaged.executor.errors import WorkerGroupError
 from raypaged.executor.placement import WorkerPlacement, place_workers
@@ -167,7 +167,11 @@ class RayExecutor(Executor):
         except _GROUP_FAILURES as e:
             self._failed = True
             raise WorkerGroupError(f"a tensor-parallel worker failed: {e}") from e
-        return results[0]
+        output = results[0]
+        if output.kv_copy_times is not None and len(results) > 1:
+            output.kv_copy_times = KVCopyTimes.slowest(
+                [r.kv_copy_times for r in results if r is not None and r.kv_copy_times is not None])
+        return output
 
     @staticmethod
     def _wait_until_dead(actors: list[Any], timeout_s: float = 30.0) -> None:

@@ -29,6 +29,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
+HOST_COPY_KINDS = ("copy", "exposed")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -91,6 +92,16 @@ class FrontendMetrics:
             Counter, "kv_loaded_bytes", "KV bytes copied from host to GPU memory, all ranks.")
         self.kv_host_free_blocks = make(
             Gauge, "kv_host_free_blocks", "Host-tier KV blocks that hold nothing.")
+        # Time of those copies on the slowest rank: kind="copy", the copy stream's; kind="exposed",
+        # of it what the forward waited for (the rest, copy - exposed, overlapped the forward).
+        # Two running totals, each monotone; their difference is not a counter of its own.
+        self.kv_host_copy_seconds = Counter(
+            "raypaged_kv_host_copy_seconds",
+            "Seconds of the host tier's KV copies (slowest rank), kind copy: all of it; kind "
+            "exposed: what the forward waited for (on CPU: all of it).",
+            names + ["kind"], registry=self.registry)
+        self._host_copy_seconds = {kind: self.kv_host_copy_seconds.labels(*values, kind)
+                                   for kind in HOST_COPY_KINDS}
         self.num_preemptions = make(
             Counter, "num_preemptions",
             "Cumulative number of preemption from the engine.")
@@ -192,7 +203,7 @@ class FrontendMetrics:
             "Histogram of time spent in WAITING phase for request.",
             buckets=REQUEST_LATENCY_BUCKETS)
 
-        self._last_engine_totals: dict[str, int] = {}
+        self._last_engine_totals: dict[str, float] = {}
 
     def record_kv_pool(self, model_info: dict) -> None:
         """The pool's size from the engine's model_info (set once: it never changes)."""
@@ -225,8 +236,11 @@ class FrontendMetrics:
         self._add_engine_total("kv_offloaded_bytes", kv.offloaded_bytes, self.kv_offloaded_bytes)
         self._add_engine_total("kv_loaded_bytes", kv.loaded_bytes, self.kv_loaded_bytes)
         self.kv_host_free_blocks.set(kv.num_host_free_blocks)
+        for kind, seconds in zip(HOST_COPY_KINDS, (kv.host_copy_s, kv.host_copy_exposed_s)):
+            self._add_engine_total(f"kv_host_copy_seconds/{kind}", seconds,
+                                   self._host_copy_seconds[kind])
 
-    def _add_engine_total(self, name: str, total: int, counter) -> None:
+    def _add_engine_total(self, name: str, total: float, counter) -> None:
         """The engine keeps running totals; the counter gets what was added since the last poll
         (all of it when the total went down: a restarted engine counts from zero)."""
         last = self._last_engine_totals.get(name, 0)

@@ -20,6 +20,9 @@ staged copy drains to the host) unless the step's forward reads a block it loads
 for the loads too; loads it does not read (prefetches) overlap it, and the next step's forward
 waits for them (wait_for_prefetches). A load after an offload in the same stream also reads what that offload wrote.
 Nothing here runs inside a captured graph: the runner applies it before the step's forward.
+Each wait goes through a timing event, and the copies are bracketed by two, so a CopyTimer
+(worker/copy_timing.py) reads, lazily, how long the copies took and how long the compute stream
+stalled on them; on CPU the copies are timed on the host's clock, all of it exposed.
 An FP8 pool's blocks move as bytes (index_copy_ has no FP8 kernel; the copy is exact either way).
 """
 
@@ -27,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from raypaged.core.outputs import KVTransfers
+from raypaged.core.outputs import KVCopyTimes, KVTransfers
 from raypaged.kernels.kv_quant import is_fp8
+from raypaged.worker.copy_timing import CopyTimer, CudaMark, WallMark
 from raypaged.worker.kv_layout import unique_caches
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -48,7 +52,8 @@ class HostKVCache:
                                   dtype=torch.uint8 if self.as_bytes else k0.dtype)
         self._registered = False
         self.stream = None
-        self._loaded: torch.cuda.Event | None = None  # after loads no forward has waited for yet
+        self._loaded: CudaMark | None = None  # after loads no forward has waited for yet
+        self.timer = CopyTimer()
         if self.on_cuda:
             # Page-locked by registering the plain allocation: torch's pinned allocator (pin_memory=)
             # rounds every allocation up to a power of two, which at tens of GiB is real memory.
@@ -79,44 +84,61 @@ class HostKVCache:
         if self.as_bytes:
             kv_caches = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
         if self.stream is None:
+            began = WallMark()
             self._offload(transfers.offloads, kv_caches)
             self._load(transfers.loads, kv_caches)
+            ended = WallMark()
+            self.timer.copied(began, ended)
+            self.timer.stalled(began, ended)  # synchronous: the step waited for all of it
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         read_now = transfers.loads and transfers.loads_read_now
         with torch.cuda.stream(self.stream):
+            # After the wait for the compute stream: what it times is the copies alone.
+            start = CudaMark(self.stream)
             gathered = self._offload(transfers.offloads, kv_caches)
             if not read_now:
                 assert gathered is not None
-                compute.wait_event(gathered)
+                self._wait(compute, gathered)
             self._load(transfers.loads, kv_caches)
+            end = CudaMark(self.stream)
+            self.timer.copied(start, end)
             if transfers.loads and not read_now:  # prefetches: the next step's forward waits
-                self._loaded = torch.cuda.Event()
-                self._loaded.record()
+                self._loaded = end
         if read_now:
-            compute.wait_stream(self.stream)
+            self._wait(compute, end)  # as wait_stream: end is the stream's last work
 
     def wait_for_prefetches(self) -> None:
         """Before a step's forward (every step): the compute stream waits for the loads the
         previous step let overlap its forward."""
         if self._loaded is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._loaded)
+            self._wait(torch.cuda.current_stream(self.device), self._loaded)
             self._loaded = None
 
-    def _offload(self, pairs: list[tuple[int, int]], kv_caches: KVCaches) -> torch.cuda.Event | None:
-        """Copy GPU blocks to host blocks. Returns (CUDA) the event after the last gather."""
-        gathered = torch.cuda.Event() if self.on_cuda else None
+    def copy_times(self) -> KVCopyTimes:
+        """This rank's copy and exposed seconds so far: the copies whose events are done (a
+        step's are, typically, by the next step; never waited for here)."""
+        return self.timer.totals()
+
+    def _wait(self, compute: torch.cuda.Stream, awaited: CudaMark) -> None:
+        """The compute stream waits for `awaited`; the timer gets where it stood when it did."""
+        self.timer.stalled(CudaMark(compute), awaited)
+        compute.wait_event(awaited.event)
+
+    def _offload(self, pairs: list[tuple[int, int]], kv_caches: KVCaches) -> CudaMark | None:
+        """Copy GPU blocks to host blocks. Returns (CUDA) the mark after the last gather."""
+        gathered: CudaMark | None = None
         chunks = _chunks(sorted(pairs, key=lambda pair: pair[1]))  # by host block: runs copy at once
         for i, chunk in enumerate(chunks):
             gpu_ids = self._ids([gpu for gpu, _ in chunk])
             staged = torch.stack([torch.stack((k.index_select(0, gpu_ids), v.index_select(0, gpu_ids)), dim=1)
                                   for k, v in kv_caches], dim=1)
-            if gathered is not None and i == len(chunks) - 1:
-                gathered.record()
+            if self.stream is not None and i == len(chunks) - 1:
+                gathered = CudaMark(self.stream)
             self._to_host(staged, [host for _, host in chunk])
-        if gathered is not None and not chunks:
-            gathered.record()
+        if self.stream is not None and not chunks:
+            gathered = CudaMark(self.stream)
         return gathered
 
     def _to_host(self, staged: torch.Tensor, host_ids: list[int]) -> None:

@@ -212,7 +212,15 @@ class Worker:
     # ---- per step ----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None  # initialize_cache() ran
-        return self.runner.execute_model(scheduler_output)
+        output = self.runner.execute_model(scheduler_output)
+        host_kv = self.runner.host_kv
+        if host_kv is not None:
+            # Every rank's own totals ride on its answer (the executor keeps the slowest's): a
+            # rank that samples nothing answers with them alone. No call of their own per step.
+            if output is None:
+                output = ModelRunnerOutput()
+            output.kv_copy_times = host_kv.copy_times()
+        return output
 
     def shutdown(self) -> None:
         apply_kernel_settings(KernelSettings())  # this process may build another engine

@@ -8,10 +8,12 @@ import argparse
 import json
 
 import pytest
+from prometheus_client import generate_latest
 
 from raypaged import LLM, SamplingParams
 from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
+from raypaged.frontend.metrics import FrontendMetrics
 from tests.support.checkpoints import checkpoint_dir
 from tests.support.hf_oracle import assert_matches_hf, random_prompts, vocab_of
 
@@ -67,9 +69,14 @@ def test_evicted_prefix_blocks_come_back_from_the_host_tier(async_scheduling):
     finally:
         plain.shutdown()
     llm = make_llm(12, num_host_blocks=16, **common)
+    metrics = FrontendMetrics("m", 96)
+    per_turn = []
     try:
-        assert run_turns(llm, turns, params) == expected
-        stats = llm.engine.scheduler.stats().kv_cache
+        for turn, want in zip(turns, expected):
+            assert run_turns(llm, [turn], params) == [want]
+            per_turn.append(llm.engine.scheduler.stats().kv_cache)
+            metrics.record_engine_stats(llm.engine.scheduler.stats())
+        stats = per_turn[-1]
         prefetches = llm.engine.scheduler.kv_cache_manager.num_prefetches
         check_pools_whole(llm)
     finally:
@@ -77,7 +84,43 @@ def test_evicted_prefix_blocks_come_back_from_the_host_tier(async_scheduling):
     assert stats.host_cache_hits >= 32  # the whole prefix, at least once
     assert prefetches > 0  # a request waited a step for its loads (the step did not)
     assert stats.offloaded_bytes > 0 and stats.loaded_bytes > 0
+    # The copies' time: on CPU they are synchronous, all of it exposed. The last turn loaded
+    # the prefix back, so its total grew; no total ever goes down.
+    assert stats.host_copy_s > 0 and stats.host_copy_exposed_s == stats.host_copy_s
+    assert stats.host_copy_hidden_s == 0
+    copy_totals = [kv.host_copy_s for kv in per_turn]
+    assert copy_totals == sorted(copy_totals) and copy_totals[-1] > copy_totals[-2]
+    assert all(kv.host_copy_exposed_s == kv.host_copy_s for kv in per_turn)
+    text = generate_latest(metrics.registry).decode()
+    for kind in ("copy", "exposed"):
+        line = f'raypaged_kv_host_copy_seconds_total{{engine="0",kind="{kind}",model_name="m"}} '
+        assert float(text.split(line)[1].split()[0]) == pytest.approx(stats.host_copy_s)
     assert_matches_hf(NAME, turns[2], [_Result(samples) for samples in expected[2]], max_tokens=6)
+
+
+def test_the_copy_times_go_on_over_a_worker_group_restart():
+    """A new worker group's totals start at zero; the engine's go on from the old group's."""
+    vocab = vocab_of(NAME)
+    prefix = random_prompts([32], vocab, seed=31)[0]
+    turns = [random_prompts([5], vocab, seed=32, prefix=prefix), random_prompts([40, 41], vocab, seed=33),
+             random_prompts([3], vocab, seed=34, prefix=prefix)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = make_llm(12, num_host_blocks=16)
+    try:
+        run_turns(llm, turns, params)
+        before = llm.engine.scheduler.stats().kv_cache
+        llm.engine._recover("a test restarts the worker group")
+        assert llm.engine.scheduler.stats().kv_cache.host_copy_s == before.host_copy_s
+        run_turns(llm, turns, params)
+        after = llm.engine.scheduler.stats().kv_cache
+        host_kv = llm.engine.executor.worker.runner.host_kv
+        assert host_kv is not None
+        new_group = host_kv.copy_times()
+    finally:
+        llm.shutdown()
+    assert before.host_copy_s > 0 and new_group.copy_s > 0
+    assert after.host_copy_s == pytest.approx(before.host_copy_s + new_group.copy_s)
+    assert after.host_copy_exposed_s == pytest.approx(before.host_copy_exposed_s + new_group.exposed_s)
 
 
 class _Result:
@@ -145,16 +188,19 @@ def test_the_host_tier_metrics_count_what_the_stats_add():
 
     metrics = FrontendMetrics("m", 64)
 
-    def record(hits: int, offloaded: int, loaded: int) -> None:
+    def record(hits: int, offloaded: int, loaded: int, copy_s: float, exposed_s: float) -> None:
         kv = KVCacheStats(8, 8, BLOCK, 0, 0, 0, 0, 0, hits, host_cache_hits=hits, num_host_blocks=4,
-                          num_host_free_blocks=3, offloaded_bytes=offloaded, loaded_bytes=loaded)
+                          num_host_free_blocks=3, offloaded_bytes=offloaded, loaded_bytes=loaded,
+                          host_copy_s=copy_s, host_copy_exposed_s=exposed_s)
         metrics.record_engine_stats(SchedulerStats(0, 0, 0, kv))
 
-    record(16, 4096, 0)
-    record(24, 8192, 2048)
+    record(16, 4096, 0, 0.25, 0.125)
+    record(24, 8192, 2048, 0.75, 0.25)
     text = generate_latest(metrics.registry).decode()
     for line in ['raypaged_host_cache_hits_total{engine="0",model_name="m"} 24.0',
                  'raypaged_kv_offloaded_bytes_total{engine="0",model_name="m"} 8192.0',
                  'raypaged_kv_loaded_bytes_total{engine="0",model_name="m"} 2048.0',
-                 'raypaged_kv_host_free_blocks{engine="0",model_name="m"} 3.0']:
+                 'raypaged_kv_host_free_blocks{engine="0",model_name="m"} 3.0',
+                 'raypaged_kv_host_copy_seconds_total{engine="0",kind="copy",model_name="m"} 0.75',
+                 'raypaged_kv_host_copy_seconds_total{engine="0",kind="exposed",model_name="m"} 0.25']:
         assert line in text

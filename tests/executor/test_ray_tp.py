@@ -114,10 +114,20 @@ def test_swap_preemption_to_the_host_tier_under_tp2():
     try:
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         stats = llm.engine.scheduler.stats()
+        per_rank = llm.engine.executor.collective_rpc(_host_copy_times)
     finally:
         llm.shutdown()
     assert stats.num_preemptions > 0 and stats.kv_cache.loaded_bytes > 0
+    # The copy times are the slowest rank's (on CPU each rank's copies are all exposed).
+    kv = stats.kv_cache
+    assert kv.host_copy_s == max(t.copy_s for t in per_rank) > 0
+    assert kv.host_copy_exposed_s == max(t.exposed_s for t in per_rank) == kv.host_copy_s
     assert_matches_hf("llama", prompts, results, max_tokens=20)
+
+
+def _host_copy_times(worker):
+    """(On each rank) its host tier's copy times so far."""
+    return worker.runner.host_kv.copy_times()
 
 
 def test_structured_outputs_under_tp2_with_async_scheduling_on_a_small_pool():

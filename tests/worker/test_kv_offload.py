@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypaged.core.outputs import KVTransfers
+from raypaged.core.outputs import KVCopyTimes, KVTransfers
 from raypaged.worker.kv_offload import HostKVCache, _runs
 
 
@@ -93,3 +93,52 @@ def test_offload_then_load_on_cuda_with_pinned_memory_and_a_copy_stream():
     assert host.blocks.is_pinned() and host.stream is not None
     host.release()
     roundtrip("cuda")
+
+
+def test_on_cpu_the_copies_are_timed_and_all_of_it_exposed():
+    kv = pools(10, "cpu")
+    host = HostKVCache(6, kv)
+    assert host.copy_times() == KVCopyTimes()
+    host.apply(KVTransfers(offloads=[(7, 4), (2, 0)], loads=[(0, 9)]), kv)
+    first = host.copy_times()
+    assert first.copy_s > 0 and first.exposed_s == first.copy_s and first.hidden_s == 0
+    assert host.copy_times() == first  # read again: nothing counted twice
+    host.apply(KVTransfers(loads=[(4, 5)], loads_read_now=False), kv)  # synchronous too on CPU
+    host.wait_for_prefetches()
+    second = host.copy_times()
+    assert second.copy_s > first.copy_s and second.exposed_s == second.copy_s
+
+
+@pytest.mark.gpu
+def test_on_cuda_prefetches_overlap_the_forward_and_loads_read_now_do_not():
+    """A prefetch-only step's loads run beside the compute stream's work and the next step's
+    wait finds them done: mostly hidden. Loads the step reads are waited for at once: mostly
+    exposed: the compute stream and the copies both wait for the previous forward, then the
+    former for the latter. (Ratios of the split, from the copies' own events, not durations.)"""
+    assert torch.cuda.is_available()
+    kv = [(torch.randn((64, 16, 8, 128), device="cuda"), torch.randn((64, 16, 8, 128), device="cuda"))
+          for _ in range(8)]  # 32 blocks: 32 MiB each way
+    host = HostKVCache(64, kv)
+    host.apply(KVTransfers(offloads=[(i, i) for i in range(32)]), kv)
+    torch.cuda.synchronize()
+    before = host.copy_times()
+    assert before.copy_s > 0 and host.timer.num_unread == 0
+
+    host.apply(KVTransfers(loads=[(i, 32 + i) for i in range(32)], loads_read_now=False), kv)
+    a = torch.randn((4096, 4096), device="cuda")
+    for _ in range(50):  # the forward: far longer than the loads
+        a = (a @ a).tanh_()
+    host.wait_for_prefetches()
+    torch.cuda.synchronize()
+    prefetch = host.copy_times()
+    copy_s, exposed_s = prefetch.copy_s - before.copy_s, prefetch.exposed_s - before.exposed_s
+    assert copy_s > 0 and exposed_s < 0.25 * copy_s
+
+    for _ in range(10):  # the previous forward: the copies start once it is done
+        a = (a @ a).tanh_()
+    host.apply(KVTransfers(loads=[(i, i) for i in range(32)]), kv)  # read now
+    torch.cuda.synchronize()
+    read_now = host.copy_times()
+    copy_s, exposed_s = read_now.copy_s - prefetch.copy_s, read_now.exposed_s - prefetch.exposed_s
+    assert copy_s > 0 and exposed_s > 0.5 * copy_s
+    host.release()
