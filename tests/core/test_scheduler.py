@@ -1,4 +1,6 @@
-"""Scheduler: batching, chunked prefill, preemption, stops, abort, n > 1 fork, validation.
+"""Scheduler: validation, the diff the workers get (batching, chunked prefill), stops, abort,
+stats and a replaced worker group. Preemption and priority: test_preemption.py; n > 1:
+test_parallel_sampling.py.
 
 A ShadowWorker (core_fakes) applies every SchedulerOutput as a worker would and checks that each
 request reads back its own K/V; check_invariants recomputes all bookkeeping after every step.
@@ -15,46 +17,7 @@ from raypaged.core.outputs import ModelRunnerOutput
 from raypaged.core.request import FinishReason, RequestStatus
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from tests.support.core_fakes import ShadowWorker, check_invariants, check_pool_whole, make_request
-
-EOS = 0
-
-
-class Harness:
-    """A scheduler and a shadow worker whose sampled tokens are scripted per request
-    (default 7, never EOS)."""
-
-    def __init__(self, **config):
-        config.setdefault("block_size", 4)
-        config.setdefault("num_blocks", 64)
-        config.setdefault("max_model_len", 64)
-        self.scheduler = Scheduler(SchedulerConfig(**config))
-        self.script: dict[str, list[int]] = defaultdict(list)
-        self.worker = ShadowWorker(config["num_blocks"], config["block_size"], self._sample)
-
-    def _sample(self, req_id: str, position: int = 0) -> int:
-        return self.script[req_id].pop(0) if self.script[req_id] else 7
-
-    def add(self, request_id, prompt, **params):
-        params.setdefault("eos", EOS)
-        request = make_request(request_id, prompt, **params)
-        self.scheduler.add_request(request)
-        return request
-
-    def step(self):
-        out = self.scheduler.schedule()
-        outputs = self.scheduler.update_from_output(out, self.worker.execute(out))
-        check_invariants(self.scheduler, self.worker)
-        return out, {o.req_id: o for o in outputs}
-
-    def drain(self, max_steps=500):
-        finished = {}
-        for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
-                break
-            _, outputs = self.step()
-            finished.update({rid: o for rid, o in outputs.items() if o.finished})
-        check_pool_whole(self.scheduler)
-        return finished
+from tests.support.scheduler_harness import EOS, Harness
 
 
 def state(scheduler: Scheduler):
@@ -224,80 +187,6 @@ def test_finished_blocks_are_freed_at_once_and_dropped_next_step():
     assert out.finished_req_ids == set()
 
 
-# ---- preemption ------------------------------------------------------------------------------------
-
-def test_preemption_recomputes_the_newest_request():
-    h = Harness(num_blocks=4, max_num_batched_tokens=16)
-    a = h.add("a", [1, 2, 3, 4, 5, 6], max_tokens=8)
-    b = h.add("b", [11, 12, 13, 14, 15], max_tokens=8)
-    h.step()  # a: 6 tokens in 2 blocks, b: 5 in 2 — the pool is full
-    h.step()  # both decode inside their last blocks
-    h.step()
-    out, _ = h.step()  # a's 9th token needs a third block: b (newest) is preempted
-    assert out.preempted_req_ids == {"b"} and out.num_scheduled_tokens == {"a": 1}
-    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert b.num_preemptions == 1 and h.scheduler.num_preemptions == 1
-    assert list(h.scheduler.waiting)[0] is b
-    outputs_b = list(b.output_token_ids)
-    h.drain()
-    assert a.num_output_tokens == b.num_output_tokens == 8
-    assert b.output_token_ids[: len(outputs_b)] == outputs_b
-
-
-def test_a_resumed_request_is_sent_whole_and_hits_the_prefix_cache():
-    h = Harness(num_blocks=5, max_num_batched_tokens=16)
-    h.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=6)
-    b = h.add("b", [21, 22, 23, 24, 25, 26, 27], max_tokens=6)
-    resumed = None
-    for _ in range(20):
-        out, _ = h.step()
-        for new in out.scheduled_new_reqs:
-            if new.req_id == "b" and b.num_preemptions:
-                resumed = new
-        if resumed:
-            break
-    assert resumed is not None
-    assert resumed.token_ids[: len(b.prompt_token_ids)] == b.prompt_token_ids
-    assert len(resumed.token_ids) > b.num_prompt_tokens  # prompt + outputs so far
-    assert resumed.num_computed_tokens == 4  # its first full block was still cached
-    h.drain()
-
-
-def test_a_request_that_outgrows_the_pool_ends_with_length():
-    h = Harness(num_blocks=2, max_model_len=64)
-    request = h.add("a", [1, 2, 3, 4, 5], max_tokens=40)
-    finished = h.drain()
-    assert finished["a"].finish_reason is FinishReason.LENGTH
-    assert request.num_tokens == 9  # 8 slots computed, the 9th could never get one
-
-
-# ---- priority --------------------------------------------------------------------------------------
-
-def test_priority_runs_the_most_important_first_and_preempts_the_least():
-    h = Harness(policy="priority", num_blocks=4, max_num_batched_tokens=8, max_num_seqs=2)
-    h.add("low", [1, 2, 3, 4, 5, 6], priority=5, max_tokens=20, arrival=0.0)
-    h.add("mid", [7, 8, 9], priority=3, max_tokens=20, arrival=1.0)
-    out, _ = h.step()
-    assert list(out.num_scheduled_tokens) == ["mid", "low"][: len(out.num_scheduled_tokens)]
-    h.step()
-    # A more important request arrives: the batch is full, so it takes low's place.
-    h.add("high", [4, 4, 4], priority=0, max_tokens=2, arrival=2.0)
-    out, _ = h.step()
-    assert "high" in out.num_scheduled_tokens and "low" in out.preempted_req_ids
-    finished = h.drain()
-    assert set(finished) == {"low", "mid", "high"}
-
-
-def test_fcfs_waiting_requests_never_preempt():
-    h = Harness(num_blocks=3, max_num_batched_tokens=16)
-    h.add("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=3)
-    h.step()
-    h.add("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], priority=-10, max_tokens=2)
-    out, _ = h.step()
-    assert out.preempted_req_ids == set() and "b" not in out.num_scheduled_tokens
-    h.drain()
-
-
 # ---- abort -----------------------------------------------------------------------------------------
 
 def test_abort_in_any_state():
@@ -349,71 +238,7 @@ def test_runner_output_must_answer_the_schedule():
         h.scheduler.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[1, 2]]))
 
 
-# ---- n > 1 ------------------------------------------------------------------------------------------
-
-def test_parallel_sampling_prefills_once_then_forks():
-    h = Harness()
-    h.add("g", [1, 2, 3, 4, 5, 6], n=3, max_tokens=4, seed=5)
-    h.script["g"] = [30, 31, 32]
-    out, outputs = h.step()
-    assert out.num_scheduled_tokens == {"g": 6}  # one prefill for the group
-    assert {rid: o.new_token_ids for rid, o in outputs.items()} == {"g": [30], "g#1": [31], "g#2": [32]}
-    assert [outputs[r].sample_index for r in ("g", "g#1", "g#2")] == [0, 1, 2]
-    assert all(o.group_id == "g" for o in outputs.values())
-    children = [h.scheduler.requests["g#1"], h.scheduler.requests["g#2"]]
-    assert children[0].sampling_params.n == 1 and children[0].sampling_params.seed != 5
-    kv = h.scheduler.kv_cache_manager
-    assert kv.get_block_ids("g#1") == kv.get_block_ids("g")  # shared, not recomputed
-
-    out, _ = h.step()
-    new = {n.req_id: n for n in out.scheduled_new_reqs}
-    assert set(new) == {"g#1", "g#2"} and new["g#1"].num_computed_tokens == 6
-    assert new["g#1"].token_ids == [1, 2, 3, 4, 5, 6, 31]
-    assert out.scheduled_cached_reqs.req_ids == ["g"]
-    # Both children copied the shared partial block; the parent, last holder, writes in place.
-    assert len(out.block_copies) == 2 and not out.finished_req_ids
-    assert new["g#1"].block_ids[0] == kv.get_block_ids("g")[0]
-    finished = h.drain()
-    assert {rid for rid in finished} == {"g", "g#1", "g#2"}
-
-
-def test_samples_finish_independently_and_a_group_aborts_together():
-    h = Harness()
-    h.add("g", [1, 2, 3], n=3, max_tokens=6)
-    h.script["g"] = [5, EOS, 6]  # sample 1 ends at once
-    _, outputs = h.step()
-    assert outputs["g#1"].finish_reason is FinishReason.STOP
-    assert "g#1" not in h.scheduler.requests and "g#2" in h.scheduler.requests
-    h.step()
-    aborted = h.scheduler.abort_requests("g")
-    assert sorted(o.req_id for o in aborted) == ["g", "g#2"]
-    h.step()
-    check_pool_whole(h.scheduler)
-
-
-def test_a_parent_scheduled_before_its_children_copies_and_is_resent():
-    h = Harness()
-    h.add("g", [1, 2, 3, 4, 5, 6], n=2, max_tokens=4)
-    h.step()
-    running = h.scheduler.running
-    running.reverse()  # parent first: it finds its partial block still shared
-    out, _ = h.step()
-    assert "g" in out.finished_req_ids  # dropped and sent again whole with its new table
-    assert {n.req_id for n in out.scheduled_new_reqs} == {"g", "g#1"}
-    assert len(out.block_copies) == 1
-    h.drain()
-
-
-def test_children_beyond_max_num_seqs_wait_and_recompute():
-    h = Harness(max_num_seqs=2)
-    h.add("g", [1, 2, 3, 4, 5], n=4, max_tokens=3)
-    h.step()
-    assert h.scheduler.num_running == 2 and h.scheduler.num_waiting == 2
-    assert all(r.num_computed_tokens == 0 for r in h.scheduler.waiting)
-    finished = h.drain()
-    assert set(finished) == {"g", "g#1", "g#2", "g#3"}
-    assert all(o.finish_reason is FinishReason.LENGTH for o in finished.values())
-
+# ---- stats and a replaced worker group ---------------------------------------------------------
 
 def test_stats():
     h = Harness()
@@ -455,58 +280,3 @@ def test_reset_workers_recomputes_everything_in_order_on_a_fresh_worker():
             tokens[rid].extend(o.new_token_ids)
     check_pool_whole(h.scheduler)
     assert {rid: len(t) for rid, t in tokens.items()} == {"r0": 6, "r1": 6, "r2": 6}
-
-
-def test_sample_zero_can_be_aborted_alone():
-    h = Harness()
-    h.add("g", [1, 2, 3, 4, 5], n=3, max_tokens=8, ignore_eos=True)
-    h.step()  # prefill once, fork
-    assert sorted(h.scheduler.requests) == ["g", "g#1", "g#2"]
-    [out] = h.scheduler.abort_requests("g#0")
-    assert (out.req_id, out.sample_index, out.finish_reason) == ("g", 0, FinishReason.ABORT)
-    assert sorted(h.scheduler.requests) == ["g#1", "g#2"]
-    finished = h.drain()
-    assert sorted(finished) == ["g#1", "g#2"]
-
-
-# ---- a group ends with a record for every sample (issue 24) -----------------------------------------
-
-def _finishing(outputs) -> dict[int, FinishReason]:
-    return {o.sample_index: o.finish_reason for o in outputs if o.finished}
-
-
-@pytest.mark.parametrize("moment", ["waiting", "mid_prefill", "fork_step_running", "after_fork"])
-def test_an_aborted_group_ends_every_sample_it_promised(moment):
-    """Whatever the moment of the abort, every sample index 0..n-1 gets one finishing record:
-    before the fork the samples 1..n-1 exist nowhere but in the client's count."""
-    h = Harness(max_num_seqs=4, max_num_batched_tokens=4, enable_chunked_prefill=True)
-    h.add("g", list(range(1, 11)), n=3, max_tokens=8, ignore_eos=True)
-    finished: dict[int, FinishReason] = {}
-    if moment == "mid_prefill":
-        _, outputs = h.step()  # 4 of its 10 prompt tokens
-        assert not outputs and h.scheduler.requests["g"].num_computed_tokens == 4
-    if moment == "fork_step_running":
-        h.step(), h.step()
-        out = h.scheduler.schedule()  # the prompt's last chunk: the step that forks
-        runner_output = h.worker.execute(out)
-        finished.update(_finishing(h.scheduler.abort_requests("g")))
-        finished.update(_finishing(h.scheduler.update_from_output(out, runner_output)))
-    else:
-        if moment == "after_fork":
-            for _ in range(3):
-                h.step()
-            assert sorted(h.scheduler.requests) == ["g", "g#1", "g#2"]
-        finished.update(_finishing(h.scheduler.abort_requests("g")))
-    assert finished == {0: FinishReason.ABORT, 1: FinishReason.ABORT, 2: FinishReason.ABORT}
-    assert not h.drain()  # nothing left to run; drain checks every block is back
-
-
-def test_sample_zero_aborted_before_the_fork_ends_the_group():
-    """Sample 0 alone, before it forked: its siblings can never be born, so they end too."""
-    h = Harness()
-    h.add("g", [1, 2, 3], n=2, max_tokens=8)
-    outputs = h.scheduler.abort_requests("g#0")
-    assert [(o.req_id, o.sample_index, o.finish_reason) for o in outputs] == [
-        ("g", 0, FinishReason.ABORT), ("g#1", 1, FinishReason.ABORT)]
-    assert not h.scheduler.has_unfinished_requests()
-
