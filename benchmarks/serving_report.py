@@ -246,14 +246,18 @@ def save_plot(record: dict, modes: list[str], slo_ttft_s: float, path: Path) -> 
 def host_tier_summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
     """A rate's host tier of KV blocks, from the server's counters: prompt tokens served from the
     host tier (of the prefix-cache hits), and the bytes copied each way (all ranks), also per
-    second of the rate. Zeros for a server without a host tier."""
-    def delta(name: str) -> float:
-        return after.get(f"raypaged_{name}_total", 0.0) - before.get(f"raypaged_{name}_total", 0.0)
+    second of the rate; the copies' seconds (slowest rank) and of them those the forward waited
+    for (exposed; the rest overlapped it). Zeros for a server without a host tier."""
+    def delta(name: str, labels: str = "") -> float:
+        key = f"raypaged_{name}_total{labels}"
+        return after.get(key, 0.0) - before.get(key, 0.0)
 
     offloaded, loaded = delta("kv_offloaded_bytes"), delta("kv_loaded_bytes")
+    copy_s, exposed_s = (delta("kv_host_copy_seconds", f",kind={kind}") for kind in ("copy", "exposed"))
     return {"host_hits": delta("host_cache_hits"), "offloaded_bytes": offloaded, "loaded_bytes": loaded,
             "offload_gb_per_s": offloaded / wall_s / 1e9 if wall_s else None,
-            "load_gb_per_s": loaded / wall_s / 1e9 if wall_s else None}
+            "load_gb_per_s": loaded / wall_s / 1e9 if wall_s else None,
+            "copy_s": copy_s, "exposed_s": exposed_s}
 
 
 def print_host_tier(record: dict, modes: list[str]) -> None:
@@ -265,9 +269,12 @@ def print_host_tier(record: dict, modes: list[str]) -> None:
             if not tier or not (tier["offloaded_bytes"] or tier["loaded_bytes"]):
                 continue
             share = f" ({tier['host_hits'] / hits:.0%} of the hits)" if hits else ""
+            copy_s = tier.get("copy_s")  # absent from results before the copies were timed
+            times = (f"; copies {copy_s:.3g} s, {tier['exposed_s']:.3g} s of it exposed"
+                     if copy_s else "")
             print(f"host tier, {mode} at {r['rate']:g}: {tier['host_hits']:,.0f} prompt tokens from host"
                   f"{share}; {tier['offload_gb_per_s']:.3g} GB/s out, {tier['load_gb_per_s']:.3g} GB/s in"
-                  + (f" (copies measured at {bandwidth})" if bandwidth else ""))
+                  + (f" (copies measured at {bandwidth})" if bandwidth else "") + times)
 
 
 def print_table(record: dict, modes: list[str], slo_ttft_s: float) -> None:

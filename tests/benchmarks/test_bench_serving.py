@@ -253,10 +253,11 @@ def test_the_host_tier_summary_and_modes():
 
     before = {"raypaged_host_cache_hits_total": 16.0, "raypaged_kv_offloaded_bytes_total": 1e9}
     after = {"raypaged_host_cache_hits_total": 48.0, "raypaged_kv_offloaded_bytes_total": 3e9,
-             "raypaged_kv_loaded_bytes_total": 1e9}
+             "raypaged_kv_loaded_bytes_total": 1e9, "raypaged_kv_host_copy_seconds_total,kind=copy": 0.5,
+             "raypaged_kv_host_copy_seconds_total,kind=exposed": 0.125}
     assert host_tier_summary(before, after, 2.0) == {
         "host_hits": 32.0, "offloaded_bytes": 2e9, "loaded_bytes": 1e9,
-        "offload_gb_per_s": 1.0, "load_gb_per_s": 0.5}
+        "offload_gb_per_s": 1.0, "load_gb_per_s": 0.5, "copy_s": 0.5, "exposed_s": 0.125}
     assert bench_serving.parse_args(["--trace", "multiturn"]).modes == ["prefix-cache", "no-prefix-cache"]
     args = bench_serving.parse_args(["--trace", "multiturn", "--modes", "host-tier,host-tier-swap"])
     assert args.modes == ["host-tier", "host-tier-swap"] and args.kv_offload_size > 0
