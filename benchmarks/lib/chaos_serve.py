@@ -14,10 +14,8 @@ a replica's actor (`kill_replica`, the `replica_killed` fault of chaos_replica.p
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -43,16 +41,7 @@ class ServeProcess(LaunchedServer):
 
     def __init__(self, app_args: dict[str, Any], num_cpus: int = 2) -> None:
         # Not LaunchedServer.__init__: another command line, the same log reading.
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.lib.chaos_serve", json.dumps(app_args), str(num_cpus)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
-        self.log: list[str] = []
-        self.address: str | None = None
-        self.metrics_url: str | None = None
-        self.http_url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_log, daemon=True).start()
+        self._spawn([sys.executable, "-m", "benchmarks.lib.chaos_serve", json.dumps(app_args), str(num_cpus)])
 
 
 class ServeTarget(ChaosTarget):

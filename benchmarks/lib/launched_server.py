@@ -30,9 +30,13 @@ class LaunchedServer:
     def __init__(self, launch_args: list[str], env: dict[str, str] | None = None,
                  command: str = "launch") -> None:
         ports = ["--port", "0", "--metrics-port", "0"] + (["--grpc-port", "0"] if command == "serve" else [])
+        self._spawn([sys.executable, "-m", "raypaged.cli", command, *ports, *launch_args], env)
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        """Start argv in a session of its own and read its log for the ready line (what a
+        server of another command line, logging the same line, shares)."""
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "raypaged.cli", command, *ports, *launch_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", **(env or {})})
         self.log: list[str] = []
         self.address: str | None = None
