@@ -8,11 +8,13 @@ Achieved bandwidth = (weight + input + output bytes) / time, against a device-to
 the same run. At --tune-rows it sweeps block sizes, warps and stages per shape and records every
 timing; at --rows it times the best config found (and the current default) against cuBLAS.
 Writes gemv_<device>.json and a PNG under --out; `--replot JSON` redraws a saved run's PNG.
---fp8: each linear with an e4m3 weight instead, at each --rows: the weight-only skinny kernel
-(kernels/gemv_fp8.py, its default config) against W8A8 as the larger steps run it (the rows'
-quantization kernel + torch._scaled_mm; the GEMM alone too, with row-wise and with tensor-wise
-scales) and bf16 cuBLAS, bandwidth by each one's own bytes -> gemv_fp8_<device>.json. Past the
-skinny kernel's rows (gemv_config.MAX_ROWS) only the W8A8 and bf16 columns.
+--fp8: each linear with an e4m3 weight instead (benchmarks/lib/gemv_fp8.py): at each --rows the
+weight-only skinny kernel (kernels/gemv_fp8.py) up to its rows, W8A8 as the larger steps run it
+(the rows' quantization kernel + torch._scaled_mm; the GEMM alone too, with row-wise and with
+tensor-wise scales), the fused W8A8 kernel (kernels/gemm_w8a8.py) and bf16 cuBLAS, bandwidth by
+each one's own bytes -> gemv_fp8_<device>.json; at each --tune-rows the sweeps of the FP8 kernels
+the engine may launch at those rows, the fused kernel's recorded in --table where it beat the
+engine's path.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from benchmarks.lib.common import (
 )
 from raypaged.kernels import gemv_table
 from raypaged.kernels.gemv import gemv_triton
-from raypaged.kernels.gemv_config import MAX_ROWS, padded_rows
+from raypaged.kernels.gemv_config import padded_rows
 
 DTYPE = torch.bfloat16
 
@@ -158,119 +159,6 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W8A8 as the larger FP8 steps run it: the rows' quantization kernel, then cuBLASLt FP8."""
-    from raypaged.kernels.fp8_quant import quantize_fp8_triton
-
-    xq, x_scale = quantize_fp8_triton(x)
-    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
-
-
-def _w8a8_gemm_alone(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
-                     tensorwise: bool) -> Callable[[], torch.Tensor]:
-    """The FP8 GEMM without the rows' quantization (done once, outside the timing): row-wise
-    scales (what the engine launches) or one scale per operand (cuBLASLt's tensor-wise path), to
-    tell the quantization kernel's cost from the GEMM kernel's."""
-    from raypaged.kernels.fp8_quant import quantize_fp8_triton
-
-    xq, x_scale = quantize_fp8_triton(x)
-    if tensorwise:
-        x_scale, scale = x_scale.max().reshape(()), scale.max().reshape(())
-    else:
-        scale = scale.view(1, -1)
-    return lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=scale, out_dtype=torch.bfloat16)
-
-
-def fp8_rows(args: argparse.Namespace, result: dict) -> None:
-    """--fp8: per linear and row count, W8A16 skinny kernel vs W8A8 (_scaled_mm) vs bf16 cuBLAS."""
-    for name, (n, k) in weight_shapes(args.shape, args.tp).items():
-        for rows in [int(r) for r in args.rows.split(",")]:
-            row = _fp8_row(name, n, k, rows)
-            result["rows"].append(row)
-            skinny = (f"W8A16 {row['w8a16_us']:.1f} us (error {row['w8a16_rel_error']:.1e}), "
-                      if "w8a16_us" in row else "")
-            log(f"{name:8s} rows {rows:3d}: {skinny}W8A8 {row['w8a8_scaled_mm_us']:.1f} us (GEMM alone: "
-                f"row-wise {row['w8a8_gemm_rowwise_us']:.1f}, tensor-wise {row['w8a8_gemm_tensorwise_us']:.1f}), "
-                f"bf16 cuBLAS {row['cublas_bf16_us']:.1f} us")
-            torch.cuda.empty_cache()
-
-
-def fp8_sweep(name: str, n: int, k: int, rows: int, table: Path | None, env: dict) -> list[dict]:
-    """--fp8 --tune-rows: the weight-only kernels' launch configs on one shape, each checked
-    against the reference, then timed; the fastest recorded in `table` (key "float8_e4m3fn").
-    At more than one row the tensor-core kernel's configs; at one row the one-row kernel's,
-    beside the tensor-core kernel's config for the shape (its tuned entry, else the default)."""
-    from raypaged.kernels.gemv_fp8 import ROW_KERNEL, TABLE_DTYPE, gemv_w8a16, table_rows, w8a16_config
-    from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
-
-    case = Case(n, k, rows)
-    quantized = [quantize_weight(w) for w in case.weights]
-    exact = weight_only_matmul_reference(case.x[0], *quantized[0])
-    fp8_bytes = n * k + rows * (k + n) * DTYPE.itemsize
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if rows == 1:
-        tensor_core = w8a16_config(case.x[0].expand(16, -1).contiguous(), quantized[0][0])
-        configs = [tensor_core] + [
-            {"kernel": ROW_KERNEL, "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
-            for bn, bk, w, st in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (3, 4))
-            if bn * bk <= 8192]
-    else:
-        configs = [{"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st, "split_k": split}
-                   for bn, bk, w, st, split in itertools.product((32, 64, 128), (256, 512), (4, 8),
-                                                                 (3, 5), (1, 2, 4))
-                   if split == 1 or -(-n // bn) * split <= 4 * sms]
-    runs = []
-    for config in configs:
-        try:
-            ours = gemv_w8a16(case.x[0], *quantized[0], None, config).float()
-            error = ((ours - exact).abs().max() / exact.abs().max()).item()
-            if error > 1e-2:
-                raise AssertionError(f"relative error {error:.1e}")
-            seconds = graph_time(lambda i, c=config: gemv_w8a16(case.x[i], *quantized[i], None, c),
-                                 case.variants, calls=24, replays=15)
-            runs.append({"config": config, "seconds": seconds, "TBps": fp8_bytes / seconds / 1e12})
-        except Exception as exc:  # noqa: BLE001 - a config that fails to compile or fit is recorded
-            runs.append({"config": config, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-    timed = [r for r in runs if "seconds" in r]
-    if timed:
-        best = min(timed, key=lambda r: r["seconds"])
-        log(f"{name} rows {rows}: best fp8 {best['config']} {best['TBps']:.2f} TB/s")
-        if table is not None:
-            gemv_table.record(table, torch.cuda.get_device_name(), env, [{
-                "linear": name, "dtype": TABLE_DTYPE, "out": n, "in": k, "rows": table_rows(rows),
-                "backend": "triton", "config": best["config"], "triton_TBps": best["TBps"],
-                "cublas_TBps": case.bytes / case.time(F.linear) / 1e12}])
-    return runs
-
-
-def _fp8_row(name: str, n: int, k: int, rows: int) -> dict:
-    from raypaged.kernels.gemv_config import default_config
-    from raypaged.kernels.gemv_fp8 import gemv_w8a16, w8a16_config
-    from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
-
-    case = Case(n, k, rows)
-    quantized = [quantize_weight(w) for w in case.weights]
-    row: dict = {"linear": name, "out": n, "in": k, "rows": rows}
-    fp8_bytes = n * k + rows * (k + n) * DTYPE.itemsize
-    timed = {"cublas_bf16": (case.time(F.linear), case.bytes)}
-    if rows <= MAX_ROWS:  # the skinny kernel's range
-        config = w8a16_config(case.x[0], quantized[0][0]) or default_config(n, k, 1, rows=rows)
-        exact = weight_only_matmul_reference(case.x[0], *quantized[0])
-        ours = gemv_w8a16(case.x[0], *quantized[0], None, config).float()
-        row |= {"w8a16_config": config,
-                "w8a16_rel_error": ((ours - exact).abs().max() / exact.abs().max()).item()}
-        timed["w8a16"] = (graph_time(lambda i: gemv_w8a16(case.x[i], *quantized[i], None, config),
-                                     case.variants, calls=24, replays=15), fp8_bytes)
-    timed["w8a8_scaled_mm"] = (graph_time(lambda i: _w8a8(case.x[i], *quantized[i]),
-                                          case.variants, calls=24, replays=15), fp8_bytes)
-    for label, tensorwise in (("w8a8_gemm_rowwise", False), ("w8a8_gemm_tensorwise", True)):
-        gemms = [_w8a8_gemm_alone(case.x[i], *quantized[i], tensorwise) for i in range(case.variants)]
-        timed[label] = (graph_time(lambda i, gemms=gemms: gemms[i](), case.variants, calls=24, replays=15), fp8_bytes)
-    for label, (seconds, size) in timed.items():
-        row[f"{label}_us"], row[f"{label}_TBps"] = seconds * 1e6, size / seconds / 1e12
-    return row
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -281,7 +169,12 @@ def main() -> int:
     parser.add_argument("--table", type=Path, default=None,
                         help="record the --tune-rows winners (kernel config or cuBLAS) in this "
                              "tuned table, e.g. raypaged/kernels/configs/gemv_nvidia_h200.json")
-    parser.add_argument("--fp8", action="store_true", help="e4m3 weights: W8A16 kernel vs W8A8 vs bf16")
+    parser.add_argument("--fp8", action="store_true",
+                        help="e4m3 weights: W8A16 kernel vs W8A8 (engine, fused) vs bf16")
+    parser.add_argument("--w8a16-tune-rows", default=None,
+                        help="--fp8: the --tune-rows at which the weight-only kernels are swept "
+                             "(default: all of them up to 16); the fused W8A8 kernel's sweep keeps "
+                             "--tune-rows")
     add_replot_argument(parser)
     args = parser.parse_args()
     if args.replot is not None:
@@ -298,12 +191,10 @@ def main() -> int:
     stem = f"gemv_{'fp8_' if args.fp8 else ''}{device_tag()}"
     path = args.out / (stem + (f"_tp{args.tp}" if args.tp > 1 else "") + ".json")
     if args.fp8:
-        for rows in [int(r) for r in args.tune_rows.split(",") if r]:
-            for name, (n, k) in weight_shapes(args.shape, args.tp).items():
-                result["sweeps"][f"{name}/{rows}"] = fp8_sweep(name, n, k, rows, args.table, result["env"])
-                torch.cuda.empty_cache()
-        fp8_rows(args, result)
-        path.write_text(json.dumps(result, indent=1))
+        from benchmarks.lib import gemv_fp8
+
+        gemv_fp8.run(args, result, weight_shapes(args.shape, args.tp),
+                     lambda: path.write_text(json.dumps(result, indent=1)))
         log(f"wrote {path}")
         return 0
     tune_rows = [int(r) for r in args.tune_rows.split(",") if r]

@@ -42,10 +42,12 @@
 #   model        the model alone, eager and CUDA graph -> decode_model_8b_h200.json, ~2
 #   model-fp8    the same with FP8 weights (quantized at load) -> decode_model_fp8_8b_h200.json, ~2
 #   gemv         every linear at 1 / 16 / 64 rows against cuBLAS -> gemv_h200.json, .png, ~2
-#   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel's configs swept at 1 row (its
-#                winners recorded in the device's tuned table, raypaged/kernels/configs/, which the
-#                FP8 decode then launches), then that kernel vs W8A8 _scaled_mm vs bf16 cuBLAS at
-#                1 / 16 / 32 / 64 rows -> gemv_fp8_h200.json, ~4 (run it before model-fp8)
+#   gemv-fp8     every linear with an e4m3 weight: the weight-only kernel's configs swept at 1 row and
+#                the fused W8A8 kernel's (kernels/gemm_w8a8.py) at 16-256 rows (winners recorded in the
+#                device's tuned table, raypaged/kernels/configs/, which the FP8 steps then launch; the
+#                table is copied to $OUT), then W8A16 vs W8A8 _scaled_mm vs fused W8A8 vs bf16 cuBLAS at
+#                1-512 rows -> gemv_fp8_<device>.json + the table, ~4 before the fused sweep, which adds
+#                ~51 compiles and ~480 timings (not yet run; 540 s cap; run it before model-fp8)
 #   quality      the trained demo model's held-out perplexity and greedy agreement (32 x 256 tokens),
 #                bf16 baseline vs fp32, FP8 weights, FP8 KV and both -> quality_demo_h200.json, .png
 #   prefill      every prefill variant against SDPA -> prefill_variants_h200.json, .png, ~3
@@ -196,9 +198,17 @@ suite() {
         model-fp8) bench model-fp8 200 python3 -m benchmarks.bench_decode --mode model --shape 8b --batch-sizes 1,64 \
             --context 1024 --quantization fp8 --out "$OUT_DIR" ;;
         gemv) bench gemv 200 python3 -m benchmarks.bench_gemv --tune-rows "" --rows 1,16,64 --out "$OUT_DIR" ;;
-        gemv-fp8) bench gemv-fp8 300 python3 -m benchmarks.bench_gemv --fp8 --tune-rows 1 --rows 1,16,32,64 \
-            --table "$(python3 -c 'import torch; from raypaged.kernels.gemv_table import table_path
-print(table_path(torch.cuda.get_device_name()))')" --out "$OUT_DIR" ;;
+        # The fused W8A8 kernel's sweep at every row bucket it may take (16 .. 256), the most
+        # decisive (64: the batch-64 decode step) first, so that a cut run keeps those; the table
+        # it writes comes back in $OUT (commit it to raypaged/kernels/configs/ for model-fp8).
+        gemv-fp8) local table status
+            table=$(python3 -c 'import torch; from raypaged.kernels.gemv_table import table_path
+print(table_path(torch.cuda.get_device_name()))')
+            bench gemv-fp8 540 python3 -m benchmarks.bench_gemv --fp8 --tune-rows 64,16,128,256,32,1 \
+                --w8a16-tune-rows 1 --rows 1,16,32,64,128,256,512 --table "$table" --out "$OUT_DIR"
+            status=$?
+            [ -f "$table" ] && cp "$table" "$OUT_DIR/"
+            return "$status" ;;
         quality) bench quality 540 python3 -m benchmarks.bench_quality --out "$OUT_DIR" ;;
         prefill) bench prefill 240 python3 -m benchmarks.bench_prefill_variants --out "$OUT_DIR" ;;
         throughput) bench throughput 420 python3 -m benchmarks.bench_throughput --shape 8b --num-requests 1000 \

@@ -156,6 +156,23 @@ def _arrivals(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
+def split_k_span(in_features: int, split_k: int, block_k: int) -> int:
+    """The K each split of a split-K launch covers: whole BLOCK_K tiles; trailing splits may be
+    empty (they add zeros)."""
+    return triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+
+
+def split_k_workspace(out: torch.Tensor, split_k: int, tiles: int,
+                      shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-K launch's fp32 partial sums [split_k, *shape] and the device's arrival counters
+    (one per output tile); without split-K, `out` for both (unused by the kernel)."""
+    if split_k == 1:
+        return out, out
+    if tiles > _MAX_SPLIT_TILES:
+        raise ValueError(f"split-K takes at most {_MAX_SPLIT_TILES} output tiles, got {tiles}")
+    return torch.empty(split_k, *shape, dtype=torch.float32, device=out.device), _arrivals(out.device)
+
+
 def gemv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -267,16 +284,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     out_features, in_features = weight.shape
     block_n, block_k = config["block_n"], config["block_k"]
     split_k = config.get("split_k", 1)
-    # Each split covers whole K tiles; trailing splits may be empty (they add zeros).
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    k_per_split = split_k_span(in_features, split_k, block_k)
     m_pad = padded_rows(rows)
-    if split_k > 1:
-        if tiles > _MAX_SPLIT_TILES:
-            raise ValueError(f"split-K takes at most {_MAX_SPLIT_TILES} blocks of outputs")
-        partial = torch.empty(split_k, out_features, m_pad, dtype=torch.float32, device=x.device)
-        arrivals = _arrivals(x.device)
-    else:
-        partial = arrivals = out  # unused
+    partial, arrivals = split_k_workspace(out, split_k, tiles, (out_features, m_pad))
     mode = dot_mode(x)
     _gemv_kernel[(tiles, split_k)](
         x, weight, bias if bias is not None else out, out, partial, arrivals,

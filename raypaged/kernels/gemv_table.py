@@ -8,7 +8,9 @@ shape the table does not list falls back to gemv.py's default rule. Like the tun
 keeps per device for its fused MoE kernels, a table is measured data, committed beside the code.
 
 Format: {"device": name, "env": {...}, "entries": [{"dtype", "out", "in", "rows", "backend":
-"triton" | "cublas", "config": {...}, "triton_TBps", "cublas_TBps"}]}.
+"triton" | "cublas", "config": {...}, "triton_TBps", "cublas_TBps"}]}. The fused W8A8 kernel
+(gemm_w8a8.py) keeps its entries here too, under its own dtype key "float8_e4m3fn_w8a8", with
+"backend": "triton" | "engine" (the path the engine runs without it) and the times of both.
 """
 
 from __future__ import annotations

@@ -88,6 +88,29 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     return None if config is None else gemv_w8a16(x, weight, w_scale, bias, config)
 
 
+def linear_fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The W8A8 product of rows x [T, K] and an e4m3 weight [N, K] (scales [N]) in x's dtype,
+    x quantized per (row, K group) inside the GEMM (kernels/gemm_w8a8.py), where the device's
+    tuned table chose that kernel for this shape and row count (gemm_w8a8.w8a8_config), else
+    None: then the caller's other paths (linear_fp8, the separate quantization and _scaled_mm)."""
+    if backend_for(x) != "triton":
+        return None
+    from .gemm_w8a8 import gemm_w8a8, w8a8_config
+
+    config = w8a8_config(x, weight)
+    return None if config is None else gemm_w8a8(x, weight, w_scale, bias, config)
+
+
+def fp8_w8a8_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear_fp8_w8a8 would take this product."""
+    if backend_for(x) != "triton":
+        return False
+    from .gemm_w8a8 import w8a8_config
+
+    return w8a8_config(x, weight) is not None
+
+
 def linear_fp8_rope(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                     cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                     rotated_features: int) -> torch.Tensor | None:

@@ -118,13 +118,29 @@ def test_committed_tables_configs_compute_the_product(path):
     # Each tuned config, on a small product of its own tile sizes (two tiles of outputs, two K
     # tiles per split) in the interpreter: a table can only choose configs that are correct.
     # FP8 entries (e4m3 weights, the weight-only kernels of gemv_fp8.py; rows 1 is the one-row
-    # kernel's key) against the weight-only reference.
+    # kernel's key) against the weight-only reference; fused W8A8 entries (gemm_w8a8.py) against
+    # the grouped reference, whichever backend the sweep chose.
+    from raypaged.kernels import gemm_w8a8
     from raypaged.kernels.gemv_fp8 import TABLE_DTYPE, gemv_w8a16
-    from raypaged.model.quantization.numerics import quantize_weight, weight_only_matmul_reference
+    from raypaged.model.quantization.numerics import (
+        grouped_w8a8_reference,
+        quantize_weight,
+        weight_only_matmul_reference,
+    )
 
     table = json.loads(path.read_text())
     for entry in table["entries"]:
         c = entry["config"]
+        if entry["dtype"] == gemm_w8a8.TABLE_DTYPE:
+            assert entry["backend"] in ("triton", "engine") and entry["rows"] in (16, 32, 64, 128, 256)
+            rows, split = min(entry["rows"], 2 * c["block_m"] - 3), c["split_k"]
+            gen = torch.Generator().manual_seed(rows)
+            weight, scale = quantize_weight(torch.randn(2 * c["block_n"], 2 * c["block_k"] * split, generator=gen))
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            expected = grouped_w8a8_reference(x, weight, scale, c["block_k"])
+            error = (gemm_w8a8.gemm_w8a8(x, weight, scale, None, c) - expected).abs().max().item()
+            assert error <= 1e-5 * expected.abs().max().item(), (entry["linear"], entry["rows"], error)
+            continue
         if entry["dtype"] == TABLE_DTYPE:
             assert entry["backend"] == "triton" and entry["rows"] in (1, 16, 32, 64)
             rows, split = min(entry["rows"], 5), c.get("split_k", 1)

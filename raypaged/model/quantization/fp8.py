@@ -7,9 +7,16 @@ quantizing its rows would cost a kernel launch per linear. The qkv and gate/up l
 same kernel with rope / SwiGLU in its epilogue (matmul_rope, matmul_silu_mul), except where the
 device's table chose the one-row kernel, which has none (gemv_fp8.w8a16_epilogue_config).
 
-Every other step is W8A8. Activations are quantized as the checkpoint says: per token from their own amax (dynamic, the
-default and what --quantization fp8 uses), per tensor (dynamic), or with the checkpoint's static
-input_scale. Then:
+Every other step is W8A8. Where the device's tuned table chose it for the shape and row count
+(kernels/gemm_w8a8.py, ops.linear_fp8_w8a8: from 2 to 256 rows, CUDA only), one kernel quantizes
+the rows per (row, K group) as it multiplies them: dynamic scales finer than per token, so it
+stands in for the dynamic modes ("token", "tensor"), not for a checkpoint's static input_scale.
+Where it takes a qkv or gate/up product it takes precedence over the weight-only kernel's rope /
+SwiGLU epilogues (the table chose it over the plain weight-only product; under 17 rows the
+separate rope and SwiGLU kernels measured no slower than the epilogues for bf16), and the layer
+runs those as separate kernels after it. Elsewhere activations are quantized as the checkpoint
+says: per token from their own amax (dynamic, the default and what --quantization fp8 uses), per
+tensor (dynamic), or with the checkpoint's static input_scale. Then:
 
 - on CUDA (FP8 tensor cores, sm_89+): `torch._scaled_mm` with row-wise scales (cuBLASLt FP8),
   the activation scales [T, 1] and the weight scales [1, N]; it writes bf16, cast to the model's
@@ -91,13 +98,21 @@ class Fp8Linear(LinearMethod):
             return quantize_activation(x, per_token=False)
         return ops.quantize_fp8(x, self.input_scale)
 
+    def fused_w8a8_takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `matmul` runs this product through the fused W8A8 kernel (gemm_w8a8.py)."""
+        return self.activation != "static" and ops.fp8_w8a8_takes(x.reshape(-1, x.shape[-1]), weight)
+
     def matmul_silu_mul(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor | None:
+        if self.fused_w8a8_takes(x, weight):
+            return None
         return ops.linear_fp8_silu_mul(x, weight, self.weight_scale, bias)
 
     def matmul_rope(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                     rotated_features: int) -> torch.Tensor | None:
+        if self.fused_w8a8_takes(x, weight):
+            return None
         return ops.linear_fp8_rope(x, weight, self.weight_scale, bias, cos, sin, head_dim, rotated_features)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -105,6 +120,10 @@ class Fp8Linear(LinearMethod):
             raise TypeError(f"Fp8Linear needs an {FP8_DTYPE} weight, got {weight.dtype}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        if self.activation != "static":
+            fused = ops.linear_fp8_w8a8(x2, weight, self.weight_scale, bias)
+            if fused is not None:
+                return fused.reshape(*lead, -1)
         # A decode step's few rows: weight-only, the rows unquantized (the bytes are the weight's).
         skinny = ops.linear_fp8(x2, weight, self.weight_scale, bias)
         if skinny is not None:

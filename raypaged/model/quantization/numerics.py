@@ -15,9 +15,9 @@ import torch
 
 from raypaged.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows_ref, scale_for, to_fp8
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "dequantize", "per_channel_amax", "quantize_activation",
-           "quantize_weight", "scale_for", "scaled_matmul_reference", "to_fp8",
-           "weight_only_matmul_reference"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "dequantize", "grouped_w8a8_reference", "per_channel_amax",
+           "quantize_activation", "quantize_groups", "quantize_weight", "scale_for", "scaled_matmul_reference",
+           "to_fp8", "weight_only_matmul_reference"]
 
 
 def per_channel_amax(weight: torch.Tensor) -> torch.Tensor:
@@ -58,3 +58,33 @@ def weight_only_matmul_reference(x: torch.Tensor, wq: torch.Tensor, w_scale: tor
     """The skinny FP8 GEMM's arithmetic (kernels/gemv_fp8.py), in fp32: (x · wqᵀ) · w_scaleᵀ,
     the rows unquantized. x [M, K], wq [N, K] e4m3, w_scale [N] -> [M, N] fp32."""
     return (x.float() @ wq.float().t()) * w_scale[None, :]
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], scales [M, ceil(K / group)] fp32): one scale per row and group
+    of `group` consecutive columns (the last group may be shorter), as the fused W8A8 kernel
+    quantizes its x tiles (kernels/gemm_w8a8.py): scale = scale_for(the group's amax) and
+    q = x · (1 / scale), clamped to ±FP8_MAX and rounded to nearest-even. The reciprocal, not a
+    division per element: the kernel divides once a group and multiplies, and so does this."""
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :cols] = x.detach().float()
+    padded = padded.view(rows, groups, group)
+    scale = scale_for(padded.abs().amax(dim=-1))
+    inverse = torch.ones_like(scale) / scale
+    q = (padded * inverse[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(rows, groups * group)[:, :cols], scale
+
+
+def grouped_w8a8_reference(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The fused W8A8 kernel's arithmetic (kernels/gemm_w8a8.py), in fp32: x quantized per (row,
+    group of K) by `quantize_groups`, each group's product with the e4m3 weight [N, K] scaled by
+    its row's scale and summed, then times w_scale [N]. x [M, K] -> [M, N] fp32 (no bias)."""
+    q, scale = quantize_groups(x, group)
+    out = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    w = weight.float()
+    for g in range(scale.shape[1]):
+        cols = slice(g * group, (g + 1) * group)
+        out += (q[:, cols].float() @ w[:, cols].t()) * scale[:, g : g + 1]
+    return out * w_scale.float()[None, :]
