@@ -5,7 +5,6 @@ left the GPU pool come back from the host; both pools whole at the end."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 from prometheus_client import generate_latest
@@ -14,6 +13,7 @@ from raypaged import LLM, SamplingParams
 from raypaged.config import ConfigError, EngineConfig
 from raypaged.core.tiered_kv_cache_manager import TieredKVCacheManager
 from raypaged.frontend.metrics import FrontendMetrics
+from tests.support import host_tier
 from tests.support.checkpoints import checkpoint_dir
 from tests.support.hf_oracle import assert_matches_hf, random_prompts, vocab_of
 
@@ -22,11 +22,7 @@ BLOCK = 8
 
 
 def host_gib(num_blocks: int, name: str = NAME) -> float:
-    """kv_offload_size for a host pool of num_blocks blocks of the fp32 test checkpoint."""
-    config = json.loads((checkpoint_dir(name) / "config.json").read_text())
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    per_block = 2 * config["num_hidden_layers"] * BLOCK * config["num_key_value_heads"] * head_dim * 4
-    return num_blocks * per_block / 2**30
+    return host_tier.host_gib(num_blocks, BLOCK, name)
 
 
 def make_llm(num_gpu_blocks: int, num_host_blocks: int = 0, **kwargs) -> LLM:

@@ -103,14 +103,14 @@ def test_kv_cache_groups_under_tp2(name, async_scheduling):
 def test_swap_preemption_to_the_host_tier_under_tp2():
     """Each rank offloads and loads its own KV heads: a block brought back wrong on either rank
     would change the tokens after it."""
-    from tests.engine.test_host_tier import host_gib
+    from tests.support.host_tier import host_gib
 
     vocab = vocab_of("llama")
     prompts = random_prompts([9, 20, 14, 3], vocab, seed=13, prefix=random_prompts([24], vocab, seed=12)[0])
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm = LLM(str(checkpoint_dir("llama")), tensor_parallel_size=2, block_size=8,
               max_num_batched_tokens=16, num_gpu_blocks_override=16, enable_prefix_caching=False,
-              kv_offload_size=host_gib(24), preemption_mode="swap")
+              kv_offload_size=host_gib(24, 8), preemption_mode="swap")
     try:
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         stats = llm.engine.scheduler.stats()

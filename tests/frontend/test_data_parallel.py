@@ -8,7 +8,6 @@ seeded, each sample's tokens those of a fault-free run."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import ray
@@ -22,6 +21,7 @@ from raypaged.engine.client import AsyncEngineClient
 from raypaged.frontend.data_parallel import DataParallelEngineClient
 from tests.support.checkpoints import checkpoint_dir
 from tests.support.hf_oracle import hf_greedy, random_prompts, vocab_of
+from tests.support.host_tier import host_gib
 
 pytestmark = pytest.mark.integration
 
@@ -66,17 +66,9 @@ async def collect_samples(client: DataParallelEngineClient, request: Request,
     return samples
 
 
-def host_gib(num_blocks: int) -> float:
-    """kv_offload_size for a host tier of num_blocks blocks of the fp32 test checkpoint."""
-    config = json.loads((checkpoint_dir(NAME) / "config.json").read_text())
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    per_block = 2 * config["num_hidden_layers"] * BLOCK * config["num_key_value_heads"] * head_dim * 4
-    return num_blocks * per_block / 2**30
-
-
 def test_prefix_routing_host_tier_hits_and_streams_resumed_after_a_killed_replica():
     config = EngineConfig(model=str(checkpoint_dir(NAME)), block_size=BLOCK, num_gpu_blocks_override=24,
-                          kv_offload_size=host_gib(64))
+                          kv_offload_size=host_gib(64, BLOCK, NAME))
 
     async def scenario():
         dp = await DataParallelEngineClient.start(2, lambda: AsyncEngineClient.start(config), "prefix",
