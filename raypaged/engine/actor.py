@@ -24,7 +24,9 @@ class EngineActor:
     """Run as `ray.remote(EngineActor).options(max_concurrency=…)` (see engine/client.py)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        logging.basicConfig(level=logging.INFO)
+        # Timestamped as `raypaged launch` logs: a fault's engine-side events (a worker group
+        # failed, restarted) are read against the frontend's in one interleaved log.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.core = EngineCore(config)
         self.core.record_cache_events()  # taken every step below, carried on the outputs
         self._outputs = EngineCoreOutputs()  # steps' records the caller has not pulled yet

@@ -352,14 +352,20 @@ class EngineCore:
         return outputs
 
     def _restart_workers(self) -> None:
+        # Each phase timed in the log: a restart is bounded by the sum of their timeouts, and
+        # which one a slow recovery spent its time in is otherwise invisible.
+        started = time.monotonic()
         try:
             self.executor.shutdown()
         except Exception:  # the group is already broken; what matters is the new one
             logger.debug("executor shutdown after failure", exc_info=True)
+        shut_down = time.monotonic()
         self._copy_times_before += self._copy_times
         self._copy_times = KVCopyTimes()
         self.executor = self._executor_class(self.config, self.model_dir)
         self.executor.initialize_cache(self.num_blocks, self.max_model_len)
+        logger.info("worker group restarted: old group shut down in %.1f s, new one up in %.1f s",
+                    shut_down - started, time.monotonic() - shut_down)
 
     def shutdown(self) -> None:
         if self._structured is not None:
