@@ -65,6 +65,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     with _refusing_processes_and_servers(item.nodeid):
         yield
 
+@pytest.fixture(scope="module", autouse=True)
+def _ray_left_by_the_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """One Ray instance per test module: a module that leaves Ray connected in this process
+    (a driver a harness joined and never left) would fail every later module's ray.init with
+    "called ray.init twice". Shut it down here, and say which module left it."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        import warnings
+
+        ray.shutdown()
+        warnings.warn(f"{request.node.nodeid} left Ray initialized; shut down after it", stacklevel=1)
+
+
 _exit_status: int | None = None
 
 
