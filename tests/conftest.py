@@ -69,10 +69,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def _ray_left_by_the_module(request: pytest.FixtureRequest) -> Iterator[None]:
     """One Ray instance per test module: a module that leaves Ray connected in this process
     (a driver a harness joined and never left) would fail every later module's ray.init with
-    "called ray.init twice". Shut it down here, and say which module left it."""
+    "called ray.init twice". Shut it down here, and say which module left it; a Ray that a
+    package-scoped fixture holds (tests/serve/conftest.py) is that fixture's to shut down."""
     yield
+    from tests.support.ray_state import is_held_across_modules
+
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    if ray is not None and ray.is_initialized() and not is_held_across_modules():
         import warnings
 
         ray.shutdown()

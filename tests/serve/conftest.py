@@ -16,7 +16,7 @@ from raypaged.llm import LLM
 from raypaged.serve.chat_template import chat_prompt_token_ids
 from tests.serve.serve_harness import ENGINE_ARGS, MAX_TOKENS, PROMPTS, engines_satisfy, idle_and_whole, serve_instance
 from tests.support.checkpoints import checkpoint_dir
-from tests.support.ray_state import live_actors, live_placement_groups
+from tests.support.ray_state import held_across_modules, live_actors, live_placement_groups
 
 
 @pytest.fixture(scope="package")
@@ -24,7 +24,7 @@ def server():
     model = str(checkpoint_dir("llama"))
     args = {"model": model, "num_replicas": 2, "tool_call_parser": "hermes", "enable_auto_tool_choice": True,
             **ENGINE_ARGS}
-    with serve_instance(args, metrics=True) as ports:
+    with serve_instance(args, metrics=True) as ports, held_across_modules():
         engines_satisfy(idle_and_whole)
         yield {**ports, "model": model}
         serve.shutdown()

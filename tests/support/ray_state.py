@@ -3,7 +3,28 @@ tables (ray.util.state needs the dashboard, which the tests leave off)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import ray
+
+_held_across_modules = 0
+
+
+@contextlib.contextmanager
+def held_across_modules() -> Iterator[None]:
+    """Mark the Ray connected now as owned by a package- or session-scoped fixture, so the
+    per-module check in tests/conftest.py leaves it alone until that fixture is done."""
+    global _held_across_modules
+    _held_across_modules += 1
+    try:
+        yield
+    finally:
+        _held_across_modules -= 1
+
+
+def is_held_across_modules() -> bool:
+    return _held_across_modules > 0
 
 
 def alive_actors() -> list[dict]:
