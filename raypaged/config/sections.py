@@ -197,6 +197,9 @@ class ParallelSettings:
     use_compiled_graph: bool = setting(True, "broadcast each step through a Ray Compiled Graph "
                                              "(a tenth of a plain actor call's cost)")
     step_timeout_s: float = setting(60.0, "a step slower than this means a hung worker group")
+    worker_health_check_interval_s: float = setting(
+        2.0, "seconds between an idle engine's checks of its Ray workers (a worker that died or hung "
+             "between requests is replaced then, not when the next request waits on it); 0: never")
     ray_start_timeout_s: float = setting(300.0, "seconds the worker group may take to start")
     placement_timeout_s: float = setting(
         120.0, "seconds a worker group waits for the cluster to place its workers: at start, and "
@@ -211,6 +214,7 @@ class ParallelSettings:
             (self.distributed_executor_backend != "uni" or self.tensor_parallel_size == 1,
              "tensor_parallel_size > 1 needs the ray executor"),
             (self.placement_timeout_s > 0, "placement_timeout_s must be > 0"),
+            (self.worker_health_check_interval_s >= 0, "worker_health_check_interval_s must be >= 0"),
         ])
 
     @property

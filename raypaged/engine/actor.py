@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from raypaged.config import EngineConfig
@@ -98,28 +99,37 @@ class EngineActor:
         self._thread.join(timeout=30)
         self.core.shutdown()
 
+    def _publish(self, outputs: EngineCoreOutputs) -> None:
+        """A step's records (and the cache events since the last), out to get_outputs."""
+        events = self.core.take_cache_events()
+        if events:
+            outputs.cache_events += events
+        if outputs or events:
+            with self._have_outputs:
+                if self._outputs or self._outputs.cache_events:
+                    self._outputs.extend(outputs)
+                else:
+                    self._outputs = outputs
+                self._have_outputs.notify_all()
+
     def _check_alive(self) -> None:
         if self._loop_error is not None:
             raise RuntimeError(f"the engine loop died: {self._loop_error}")
 
     def _loop(self) -> None:
+        interval = self.core.config.parallel.worker_health_check_interval_s
+        last_busy = time.monotonic()
         try:
             while not self._stopping.is_set():
                 if not self.core.has_unfinished_requests():
                     self._have_work.wait(0.05)
                     self._have_work.clear()
+                    if interval and time.monotonic() - last_busy >= interval:
+                        last_busy = time.monotonic()
+                        self._publish(self.core.check_workers())
                     continue
-                outputs = self.core.step()
-                events = self.core.take_cache_events()
-                if events:
-                    outputs.cache_events += events
-                if outputs or events:
-                    with self._have_outputs:
-                        if self._outputs or self._outputs.cache_events:
-                            self._outputs.extend(outputs)
-                        else:
-                            self._outputs = outputs
-                        self._have_outputs.notify_all()
+                last_busy = time.monotonic()  # a step checks the workers itself
+                self._publish(self.core.step())
         except Exception as e:  # the engine is unusable; callers get a clear error from now on
             logger.exception("engine loop died")
             self._loop_error = f"{type(e).__name__}: {e}"

@@ -322,6 +322,19 @@ class EngineCore:
             if out.finish_reason is not None:  # aborted while waiting: never scheduled
                 self._queued_since.pop(out.req_id, None)
 
+    def check_workers(self) -> EngineCoreOutputs:
+        """Between steps: the executor's health check, and the same recovery as a failed step
+        when it fails (an idle engine otherwise finds a dead worker only when the next request
+        waits on it). Returns the records of requests failed if the engine gave up."""
+        if self.dead is not None:
+            return EngineCoreOutputs()
+        try:
+            self.executor.check_health()
+        except WorkerGroupError as e:
+            return self._recover(f"the model workers failed: {e}")
+        self._consecutive_failures = 0
+        return EngineCoreOutputs()
+
     def _recover(self, message: str) -> EngineCoreOutputs:
         """A worker died or hung: restart the whole group (a rank cannot rejoin a broken process
         group) and recompute every in-flight request from its prompt plus the tokens already

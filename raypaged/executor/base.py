@@ -51,6 +51,11 @@ class Executor(ABC):
         results in rank order. Call it between steps, from the thread that steps: a step's
         collectives and the call's must not interleave."""
 
+    def check_health(self) -> None:
+        """Raise WorkerGroupError when a rank died or does not answer; called between steps,
+        from the thread that steps. Workers in this process cannot die apart from it: no-op."""
+        return None
+
     def worker_pids(self) -> list[int]:
         """The processes the workers run in, other than this one: none for workers in process."""
         return []

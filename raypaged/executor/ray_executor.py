@@ -187,6 +187,15 @@ class RayExecutor(Executor):
         refs = [w.collective_rpc.remote(method, tuple(args)) for w in self.workers]
         return self._wait_all(refs, method if isinstance(method, str) else repr(method))
 
+    def check_health(self) -> None:
+        # A plain call on each actor (beside the compiled graph's loop): a dead actor fails it at
+        # once, a stopped or wedged one is hung by the step's own bound.
+        try:
+            ray.get([w.pid.remote() for w in self.workers], timeout=self.config.parallel.step_timeout_s)
+        except _GROUP_FAILURES as e:
+            self._failed = True
+            raise WorkerGroupError(f"a tensor-parallel worker failed its health check: {e}") from e
+
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
 

@@ -4,6 +4,8 @@
   in it (past step_timeout_s): the engine restarts the whole group and recomputes; every
   client's stream goes on with no gap and no repeated token (it equals transformers' greedy
   output), health stays SERVING, the pool ends whole.
+- A worker SIGKILLed while the engine is idle: the engine's idle health check finds it and
+  restarts the group before any request arrives; health stays SERVING.
 - A worker group that cannot come back (every restart fails): the streams in flight end with
   UNAVAILABLE, health turns NOT_SERVING, new requests get UNAVAILABLE; then the supervisor
   replaces the engine and the server serves again.
@@ -201,6 +203,29 @@ def test_worker_fault_streams_go_on_without_gap_or_repeat(server, fault):
     server.wait_pool_whole()
     assert len(live_placement_groups()) == 1
     FAULTS_SURVIVED[f"worker {fault}"] += 1
+
+
+def test_idle_engine_replaces_a_worker_that_died_between_requests(server):
+    server.wait_pool_whole()
+    restarts_before = num_worker_restarts(server)
+    old_pids = ray.get(server.engine.actor.worker_pids.remote())
+    with HealthWatch(server.address) as health:
+        kill_rank_with_sigkill(server)
+        # No request comes: only the idle check (every 2 s by default) can find the dead rank.
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the idle engine never replaced its dead worker"
+            if num_worker_restarts(server) > restarts_before:
+                pids = engine_call(server, lambda actor: actor.core.executor.worker_pids()
+                                   if actor.core.executor.workers else [])
+                if len(pids) == 2 and set(pids).isdisjoint(old_pids):
+                    break
+            time.sleep(0.2)
+    assert num_worker_restarts(server) == restarts_before + 1
+    assert health.seen == ["SERVING"]
+    assert_serves_correctly(server)
+    assert len(live_placement_groups()) == 1
+    FAULTS_SURVIVED["worker sigkill while idle"] += 1
 
 
 def assert_unavailable_now(address: str) -> None:
