@@ -53,7 +53,10 @@ def deployment_options(args: ServeAppArgs, cluster_gpus: float) -> dict[str, Any
         "placement_group_strategy": "STRICT_PACK",
         # Streams in flight get this long to finish when a replica is stopped (scale-down, update).
         "graceful_shutdown_timeout_s": 30.0,
-        "health_check_period_s": 10.0,
+        # Serve replaces a replica after 3 failed checks in a row: a replica whose engine died
+        # is gone ~6 s later, not ~30 (the ingress routes around it meanwhile); the check only
+        # reads a flag, so checking often costs nothing.
+        "health_check_period_s": 2.0,
     }
     if args.autoscaling is not None:
         options["autoscaling_config"] = args.autoscaling.to_serve()

@@ -156,7 +156,7 @@ class IngressDeployment:
     # ---- operations: handle calls -------------------------------------------------------------
     def ingress_stats(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "in_flight": self.service.num_in_flight,
-                "resumed": self.engine.num_resumed}
+                "resumed": self.engine.num_resumed, "held_out": sorted(self.engine.held_out)}
 
     def metrics_text(self) -> str:
         """This replica's metrics in Prometheus' text format (Prometheus itself scrapes Ray's

@@ -88,7 +88,9 @@ class EngineDeployment:
 
     # ---- Serve's calls, operations -------------------------------------------------------------
     async def check_health(self) -> None:
-        """Serve replaces a replica whose engine is gone."""
+        """Serve replaces a replica whose engine is gone (after a few failed checks in a row,
+        serve/app.py's period apart; the ingress stops routing to it before, from its routing
+        stats or the first call it lost: serve/replica_quarantine.py)."""
         if not self.engine.is_alive:
             raise RuntimeError("the engine is gone")
 
@@ -98,8 +100,9 @@ class EngineDeployment:
             self._cache_view.update_load(0, load)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the request router (serve/prefix_request_router.py) reads of this replica."""
-        return routing_stats(self._cache_view.replicas[0])
+        """What the request router (serve/prefix_request_router.py) reads of this replica; a
+        dead engine is reported at once (the router holds the replica out of routing)."""
+        return routing_stats(self._cache_view.replicas[0], engine_alive=self.engine.is_alive)
 
     async def engine_stats(self, route: RouteHint | None = None) -> dict[str, Any]:
         stats = await self.engine.actor.stats.remote()

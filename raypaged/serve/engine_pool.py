@@ -14,7 +14,9 @@ same StreamJournal (frontend/stream_journal.py): the request again if nothing wa
 else each open sample as `Request.resumed_output_token_ids` (prompt + the tokens already
 streamed, every count and the seeded sampler's positions continuing), its records renumbered as
 the group's. The caller sees one continuous stream: no gap, no repeat. The lost replica is
-avoided by the retry (serve/route_hint.py) even before Serve's controller notices it. Every
+avoided by the retry (serve/route_hint.py) even before Serve's controller notices it, and by
+every new call of this process too: the loss holds it in the quarantine the router reads
+(serve/replica_quarantine.py) until Serve's set drops it or it reports a live engine. Every
 handle call is a Serve request of its own (serve/call_identity.py): the samples resumed at once
 and an abort beside its stream would otherwise share the client request's id in Serve's router.
 
@@ -47,6 +49,7 @@ from raypaged.engine.interface import EngineClient
 from raypaged.frontend.replay import as_sample, merged_runs
 from raypaged.frontend.stream_journal import StreamJournal, journal_of
 from raypaged.serve.call_identity import CallIdentities
+from raypaged.serve.replica_quarantine import ReplicaQuarantine, process_quarantine
 from raypaged.serve.route_hint import RouteHint
 
 logger = logging.getLogger(__name__)
@@ -62,7 +65,10 @@ class ReplicaLostError(EngineDeadError):
 
 class ServeEnginePool(EngineClient):
     def __init__(self, handle: DeploymentHandle, model_info: dict[str, Any], recovery_timeout_s: float = 60.0,
-                 max_resumes: int = 3, abort_timeout_s: float = 10.0) -> None:
+                 max_resumes: int = 3, abort_timeout_s: float = 10.0,
+                 quarantine: ReplicaQuarantine | None = None) -> None:
+        """quarantine: the replicas no new call goes to, shared with the handle's router (None:
+        the process's own; a test passes another)."""
         if recovery_timeout_s <= 0 or max_resumes < 0:
             raise ValueError("recovery_timeout_s must be > 0 and max_resumes >= 0")
         self._handle = handle
@@ -74,6 +80,7 @@ class ServeEnginePool(EngineClient):
         self._journals: dict[str, StreamJournal] = {}  # by group id
         self._where: dict[str, str] = {}  # engine request id -> the replica streaming it
         self._calls = CallIdentities()
+        self.quarantine = quarantine or process_quarantine()
 
     @classmethod
     async def start(cls, handle: DeploymentHandle, **kwargs: Any) -> ServeEnginePool:
@@ -88,6 +95,11 @@ class ServeEnginePool(EngineClient):
     @property
     def load(self) -> EngineLoad | None:
         return None
+
+    @property
+    def held_out(self) -> frozenset[str]:
+        """The engine replicas no new call goes to now (serve/replica_quarantine.py)."""
+        return self.quarantine.held()
 
     @property
     def is_alive(self) -> bool:
@@ -117,6 +129,7 @@ class ServeEnginePool(EngineClient):
                 except ReplicaLostError as e:
                     if e.replica is not None:
                         lost.add(e.replica)
+                        self.quarantine.hold(e.replica, str(e))
                     for out in journal.ends_owed():
                         journal.note(out)
                         yield out

@@ -14,8 +14,11 @@ ingress replica's process for the ingress's handle calls. What it sees of a requ
 engine will hash), whatever the transport was (OpenAI HTTP or raypaged.v1 gRPC); a resumed stream
 hashes its prompt and the tokens already streamed, as the engine will. Each call's `route`
 keyword (serve/route_hint.py) narrows the candidates: the replicas its stream lost are avoided,
-a pinned call (an abort) goes to its replica only; with no candidate left it waits, in Serve's
-back-off, for a replica to come (the caller bounds the wait).
+a pinned call (an abort) goes to its replica only. Every unpinned call also avoids the replicas
+of the process-wide quarantine (serve/replica_quarantine.py: those whose engine is known dead,
+until Serve's set drops them or they report a live engine again), which this router feeds from
+the replicas' routing stats (`engine_alive`) and prunes as Serve's set changes. With no candidate
+left it waits, in Serve's back-off, for a replica to come (the caller bounds the wait).
 
 It also reads a raypaged.v1 GenerateRequest (a handle caller's own, or Serve's gRPC proxy's
 pickled gRPCRequest, should the router be set on a deployment the proxy calls); a text prompt is
@@ -38,6 +41,7 @@ from raypaged.core.outputs import EngineLoad
 from raypaged.core.request import Request
 from raypaged.frontend.prefix_router import PrefixRouter, ReplicaState
 from raypaged.proto.v1 import raypaged_pb2 as pb
+from raypaged.serve.replica_quarantine import ReplicaQuarantine, process_quarantine
 from raypaged.serve.route_hint import RouteHint
 
 logger = logging.getLogger(__name__)
@@ -92,13 +96,15 @@ def route_hint_of(pending: PendingRequest | None) -> RouteHint:
     return hint if isinstance(hint, RouteHint) else RouteHint()
 
 
-def routing_stats(state: ReplicaState) -> dict[str, Any]:
+def routing_stats(state: ReplicaState, engine_alive: bool = True) -> dict[str, Any]:
     """A replica's view of its own engine (its cache events replayed into `state`) as its
-    record_routing_stats sends it: both tiers' hash values and the engine's load."""
+    record_routing_stats sends it: both tiers' hash values, the engine's load, and whether the
+    engine lives (a replica whose engine died is held out of routing, serve/replica_quarantine.py)."""
     load = state.load or EngineLoad(0, 0, 0.0)
     return {"cached": [routing_value(v) for v in state.cached],
             "host_cached": [routing_value(v) for v in state.host_cached],
-            "num_waiting": load.num_waiting, "num_running": load.num_running, "kv_usage": load.kv_usage}
+            "num_waiting": load.num_waiting, "num_running": load.num_running, "kv_usage": load.kv_usage,
+            "engine_alive": engine_alive}
 
 
 def apply_routing_stats(state: ReplicaState, stats: dict[str, Any]) -> None:
@@ -128,6 +134,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._router.mark_dead(0)  # indices are handed out as Serve names replicas
         self._indices: dict[ReplicaID, int] = {}
         self._stats_seen: dict[ReplicaID, int] = {}
+        self.quarantine: ReplicaQuarantine = process_quarantine()
+        self.num_held_out = 0  # times a quarantined replica was left out of a call's candidates
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -137,9 +145,15 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._router.mark_dead(index)
         for replica_id in current - self._indices.keys():
             self._indices[replica_id] = self._router.add_replica()
+        # Serve sends the set again as replicas' routing stats change: a replica whose engine
+        # died is held here, before any call has to choose.
+        for replica in replicas:
+            self._refresh(self._indices[replica.replica_id], replica)
+        self.quarantine.retain((r.unique_id for r in self._indices), (r.unique_id for r in current))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self.quarantine.hold(replica_id.unique_id, "its actor died")
         if replica_id in self._indices:
             self._router.mark_dead(self._indices[replica_id])
 
@@ -152,12 +166,17 @@ class PrefixAwareRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         by_index: dict[int, RunningReplica] = {}
         for replica in candidate_replicas:
-            if not hint.allows(replica.replica_id.unique_id):
-                continue
             index = self._indices.get(replica.replica_id)
             if index is None:
                 index = self._indices[replica.replica_id] = self._router.add_replica()
+            # Every candidate's stats, avoided or not: a held replica is released by them.
             self._refresh(index, replica)
+            unique_id = replica.replica_id.unique_id
+            if not hint.allows(unique_id):
+                continue
+            if hint.pin is None and unique_id in self.quarantine:
+                self.num_held_out += 1
+                continue
             by_index[index] = replica
         if not by_index:
             return []  # Serve backs off and asks again as replicas come and go
@@ -183,6 +202,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if stats and self._stats_seen.get(replica.replica_id) != id(stats):
             self._stats_seen[replica.replica_id] = id(stats)
             apply_routing_stats(state, stats)
+            self.quarantine.note_stats(replica.replica_id.unique_id, bool(stats.get("engine_alive", True)))
 
     def _hash_values(self, pending: PendingRequest | None) -> list[int]:
         if pending is None:

@@ -16,6 +16,7 @@ from raypaged.core.outputs import EngineCoreOutput
 from raypaged.core.request import FinishReason, Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.serve.engine_pool import ServeEnginePool
+from raypaged.serve.replica_quarantine import ReplicaQuarantine
 from raypaged.serve.route_hint import RouteHint
 
 PROMPT = [5, 9, 14]
@@ -100,7 +101,9 @@ class _Method:
 
 
 def pool(handle: FakeHandle) -> ServeEnginePool:
-    return ServeEnginePool(handle, {"block_size": 4}, recovery_timeout_s=5.0)  # type: ignore[arg-type]
+    # A quarantine of its own: the process's is shared by every pool and router of the process.
+    return ServeEnginePool(handle, {"block_size": 4}, recovery_timeout_s=5.0,  # type: ignore[arg-type]
+                           quarantine=ReplicaQuarantine())
 
 
 async def collect(engine: ServeEnginePool, request: Request) -> dict[int, list[int]]:
@@ -128,6 +131,7 @@ def test_a_stream_whose_replica_dies_goes_on_elsewhere_with_nothing_lost_or_repe
     assert [len(r.resumed_output_token_ids) for r in resumed] == ([5] if n == 1 else [5, 0])
     assert all(r.prompt_token_ids == PROMPT for r in resumed)
     assert all(call.cancelled for call in handle.calls)  # every engine call was closed
+    assert engine.held_out == {"a"}  # no new call of the process goes to a (the router reads it)
 
 
 def test_nothing_streamed_yet_starts_again_and_every_replica_lost_is_an_error():

@@ -13,6 +13,9 @@ Serve to replace the replica it killed, and leaves both pools whole.
 - A seeded n = 2 gRPC stream whose engine replica's actor is killed mid-stream: each sample's
   tokens are those of its fault-free run (its open samples resume on the other replica as
   engine calls of their own, serve/call_identity.py).
+- A replica whose engine actor was killed while idle takes no new call: the ingress holds it out
+  of routing from its routing stats (serve/replica_quarantine.py), so new calls resume nowhere
+  and give their fault-free tokens; once Serve has replaced it, both replicas take calls again.
 - Bad input is a 400 / INVALID_ARGUMENT and reaches no engine.
 - Nothing leaks: after each fault every engine pool is whole and the ingress holds no stream
   (and the package's instance checks, as it shuts down, that no actor and no placement group is
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -90,12 +94,13 @@ def _kill_engine_actor() -> None:
              no_restart=True)
 
 
-def _grpc_stream(server, params: pb.SamplingParams, on_message=None) -> tuple[list[int], str, int]:
+def _grpc_stream(server, params: pb.SamplingParams, on_message=None,
+                 prompt: str = "Pack my box with") -> tuple[list[int], str, int]:
     channel = grpc.insecure_channel(f"127.0.0.1:{server['grpc']}")
     tokens, text, finish = [], "", pb.FINISH_REASON_UNSPECIFIED
     with channel:
         stub = pb_grpc.RaypagedServiceStub(channel)
-        request = pb.GenerateRequest(prompt="Pack my box with", sampling_params=params)
+        request = pb.GenerateRequest(prompt=prompt, sampling_params=params)
         for i, response in enumerate(stub.Generate(request, metadata=METADATA, timeout=120)):
             for delta in response.outputs:
                 tokens += delta.token_ids
@@ -202,3 +207,41 @@ def test_grpc_seeded_stream_goes_on_when_its_engine_actor_dies(server):
 @pytest.mark.slow
 def test_grpc_greedy_stream_goes_on_when_its_engine_actor_dies(server):
     _survives_engine_actor_kill(server, GREEDY)
+
+
+NEW_CALLS = ("The block table maps", "def attention(query, key", "Pack my box with", "A paged pool of",
+             "Serve replaces a replica", "Tokens stream back")
+
+
+def _all_greedy(server, prompts: tuple[str, ...]) -> list[tuple[list[int], str, int]]:
+    """The prompts' greedy streams, all at once (the router sees them in flight together)."""
+    params = pb.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _grpc_stream(server, params, prompt=p), prompts))
+
+
+def _until(condition, what: str, bound_s: float = 120.0) -> None:
+    deadline = time.monotonic() + bound_s  # a liveness bound, not a timing claim
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_new_calls_avoid_a_replica_whose_engine_died_until_serve_replaces_it(server):
+    victim = sorted(engines_idle())[0]
+    reference = _all_greedy(server, NEW_CALLS)
+    ray.kill(engine_handle().engine_actor.remote(route=RouteHint(pin=victim)).result(timeout_s=30),
+             no_restart=True)
+    # Its next routing stats report the dead engine; the ingress holds it out before any call.
+    _until(lambda: victim in ingress_stats()["held_out"], f"the ingress never held {victim} out of routing")
+    resumed = ingress_stats()["resumed"]
+    assert _all_greedy(server, NEW_CALLS) == reference
+    assert ingress_stats()["resumed"] == resumed  # no new call went to the dead replica
+    # Serve replaces it (its health check fails); the replacement is a new id, the hold goes.
+    _until(lambda: victim not in engine_replicas(), f"Serve never replaced {victim}")
+    before = {r: s["num_streams"] for r, s in engines_idle().items()}
+    _until(lambda: ingress_stats()["held_out"] == [], "the hold outlived the replica")
+    assert _all_greedy(server, NEW_CALLS) == reference
+    after = {r: engine_stats(r)["num_streams"] for r in before}
+    assert all(after[r] > before[r] for r in before), (before, after)  # both take calls again
+    engines_idle()

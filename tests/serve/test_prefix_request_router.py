@@ -15,6 +15,7 @@ from raypaged.core.request import Request
 from raypaged.core.sampling_params import SamplingParams
 from raypaged.proto.v1 import raypaged_pb2 as pb
 from raypaged.serve.prefix_request_router import PrefixAwareRequestRouter, routing_value
+from raypaged.serve.replica_quarantine import FRESH_SNAPSHOTS, ReplicaQuarantine
 from raypaged.serve.route_hint import RouteHint
 
 BLOCK = 4
@@ -62,6 +63,7 @@ def make_router() -> PrefixAwareRequestRouter:
     """Inside an event loop: Serve's router starts tasks as it is made."""
     router = PrefixAwareRequestRouter(DeploymentID(name="raypaged"), DeploymentHandleSource.UNKNOWN)
     router.initialize_state(block_size=BLOCK)
+    router.quarantine = ReplicaQuarantine()  # not the process's: tests share it
     return router
 
 
@@ -180,6 +182,42 @@ async def _route_hints():
     # Nothing allowed (the pinned replica is gone): no choice, and Serve backs off.
     assert await router.choose_replicas([a], pinned) == []
     assert await router.choose_replicas([a, b], ingress_call(PROMPT, route=RouteHint(avoid=frozenset("ab")))) == []
+
+
+def test_a_replica_whose_engine_died_takes_no_new_call_until_it_is_replaced_or_answers_again():
+    asyncio.run(_held_out())
+
+
+async def _held_out():
+    router = make_router()
+    idle = {"cached": [], "num_waiting": 0, "num_running": 0, "kv_usage": 0.0, "engine_alive": True}
+    a = FakeReplica("a", {**idle, "cached": hashes(PROMPT)})
+    b = FakeReplica("b", dict(idle))
+    router.update_replicas([a, b])
+    assert (await router.choose_replicas([a, b], ingress_call(PROMPT)))[0] == [a]
+    # a's engine dies: its next routing stats say so, and no unpinned call goes there, though
+    # it holds the prompt's prefix and Serve still offers it.
+    a.routing_stats = {**a.routing_stats, "engine_alive": False}
+    assert await router.choose_replicas([a, b], ingress_call(PROMPT)) == [[b]]
+    assert router.num_held_out == 1
+    assert await router.choose_replicas([a, b], ingress_call(OTHER, route=RouteHint(pin="a"))) == [[a]]
+    # Only a: no candidate (Serve backs off until a replica comes).
+    assert await router.choose_replicas([a], ingress_call(PROMPT)) == []
+    # Serve replaces a by c: a is released (it is gone), c takes calls.
+    c = FakeReplica("c", {**idle, "cached": hashes(PROMPT)})
+    router.update_replicas([b, c])
+    assert router.quarantine.held() == frozenset()
+    assert (await router.choose_replicas([b, c], ingress_call(PROMPT)))[0] == [c]
+    # A replica held for a lost call (the pool's hold) answers again: fresh live snapshots
+    # release it, the first alone does not.
+    router.quarantine.hold("c", "a call found its actor unavailable")
+    for seen in range(1, FRESH_SNAPSHOTS + 1):
+        c.routing_stats = dict(c.routing_stats)  # a new snapshot, as each poll brings
+        ranks = await router.choose_replicas([b, c], ingress_call(PROMPT))
+        assert ranks[0] == ([b] if seen < FRESH_SNAPSHOTS else [c]), seen
+    # A call that finds a replica's actor dead holds it too (Serve tells the router).
+    router.on_replica_actor_died(b.replica_id)
+    assert router.quarantine.held() == {"b"}
 
 
 def test_a_replicas_host_tier_reaches_the_router_and_ranks_below_the_gpu():
