@@ -31,8 +31,12 @@ APP = "raypaged"
 ENGINE = "raypaged_engine"  # build_app's engine deployment beside the ingress APP
 # A fraction of a CPU per replica: an ingress and two engine replicas fit in 2 cores. The pool
 # bounds a resumed stream's wait for a replica; Serve brings a killed one back in ~10-20 s here.
+# Each engine runs its worker as a Ray actor even at TP 1 (the worker faults' victims), with
+# the gRPC-server target's step timeout (a hung worker found in seconds) and restarts.
 DEFAULT_APP_ARGS: dict[str, Any] = {"model": None, "num_replicas": 2, "replica_num_cpus": 0.1,
-                                    "ingress_num_cpus": 0.1, "device": "cpu", "replica_recovery_timeout_s": 120.0}
+                                    "ingress_num_cpus": 0.1, "device": "cpu", "replica_recovery_timeout_s": 120.0,
+                                    "distributed_executor_backend": "ray", "ray_cpus_per_worker": 0.1,
+                                    "step_timeout_s": 5.0, "max_worker_restarts": 3}
 POOL_KEYS = ("num_blocks", "num_free_blocks", "num_running", "num_waiting")
 
 
@@ -46,11 +50,13 @@ class ServeProcess(LaunchedServer):
 
 class ServeTarget(ChaosTarget):
     """The Serve app of `app_args` (build_app's arguments over DEFAULT_APP_ARGS; at least two
-    engine replicas). Takes `replica_killed` and `engine_sigkill` (an engine actor's process:
-    its replica's streams go on on another, Serve replaces the replica as its health check
-    fails)."""
+    engine replicas). Takes `replica_killed`, `engine_sigkill` (an engine actor's process: its
+    replica's streams go on on another, Serve replaces the replica as its health check fails)
+    and the worker faults `worker_sigkill` / `worker_hang` (a replica's `ray::RayWorkerActor`:
+    its engine restarts its worker group, inside the replica's placement group, and its
+    streams go on there)."""
 
-    fault_kinds = frozenset({"replica_killed", "engine_sigkill"})
+    fault_kinds = frozenset({"replica_killed", "engine_sigkill", "worker_sigkill", "worker_hang"})
 
     def __init__(self, app_args: dict[str, Any] | None = None, num_cpus: int = 2) -> None:
         self.app_args = {**DEFAULT_APP_ARGS, **(app_args or {})}

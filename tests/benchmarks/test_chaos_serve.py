@@ -1,9 +1,11 @@
 """The chaos soak (benchmarks/chaos.py) against the Ray Serve app (benchmarks/lib/chaos_serve.py:
 an ingress over two engine replicas on a tiny checkpoint): streamed gRPC and OpenAI HTTP calls —
 greedy and seeded sampled, n = 2, client cancels, deadlines, malformed requests — while an
-engine replica's actor is killed mid-stream (`replica_killed`). Nothing is lost, no token is
-doubled or skipped against the fault-free reference, the kill is recovered from, the streams it
-cut went on on the other replica, every pool is whole and SIGTERM drains.
+engine replica's actor is killed mid-stream (`replica_killed`), then one replica's Ray worker
+actor is SIGKILLed (`worker_sigkill`: its engine restarts the worker group inside the replica's
+placement group). Nothing is lost, no token is doubled or skipped against the fault-free
+reference, both faults are recovered from, the streams the kill cut went on on the other
+replica, every pool is whole and SIGTERM drains.
 
 What needs no server first: which fault kinds a target takes, and that the replica fault and
 the Serve target refuse what they cannot do."""
@@ -41,7 +43,8 @@ def test_the_replica_fault_needs_a_serve_target_of_two_replicas_or_more():
 
 @pytest.mark.integration
 def test_serve_chaos_short():
-    config = ChaosConfig(num_calls=48, concurrency=8, num_faults=1, fault_kinds=("replica_killed",), seed=4,
+    config = ChaosConfig(num_calls=64, concurrency=8, num_faults=2, fault_kinds=("replica_killed", "worker_sigkill"),
+                         seed=4,
                          target="serve", sample_interval_s=0.5, mix=ChaosMix(max_prompt_tokens=32, max_new_tokens=32),
                          call_bound_s=150, recover_bound_s=150, drain_calls=3)
     result = run_chaos([], config, log=lambda _: None,
@@ -51,8 +54,9 @@ def test_serve_chaos_short():
     assert result["mismatches"] == 0, result["mismatch_examples"]
     assert result["reference_failed"] == 0, result["reference_failed_examples"]
     assert result["malformed_misanswered"] == 0, result["malformed_misanswered_examples"]
-    [fault] = result["faults"]
+    fault, worker_fault = result["faults"]
     assert fault["kind"] == "replica_killed" and fault["recovered_after_s"] is not None, fault
+    assert worker_fault["kind"] == "worker_sigkill" and worker_fault["recovered_after_s"] is not None, worker_fault
     running = int(re.search(r"\((\d+) requests running\)", fault["what"])[1])
     assert running > 0, fault  # the kill fell mid-stream...
     assert result["streams_replayed"] >= 1  # ...and the ingress carried streams over
