@@ -58,8 +58,12 @@ def test_serve_chaos_short():
     assert fault["kind"] == "replica_killed" and fault["recovered_after_s"] is not None, fault
     assert worker_fault["kind"] == "worker_sigkill" and worker_fault["recovered_after_s"] is not None, worker_fault
     running = int(re.search(r"\((\d+) requests running\)", fault["what"])[1])
-    assert running > 0, fault  # the kill fell mid-stream...
-    assert result["streams_replayed"] >= 1  # ...and the ingress carried streams over
+    assert running > 0, fault  # the kill fell mid-stream
+    # Not asserted: streams_replayed >= 1. A 32-token stream the engine counted as running can
+    # have had its last token out before the kill (its journal complete: nothing to resume), and
+    # then lost 0 / mismatches 0 already say all is well. test_ingress_failover.py kills a replica
+    # under a long stream and checks the carry-over itself. The worker fault falls as the load
+    # ends: only the idle engine's health check finds it (its recovery is asserted above).
     assert result["pool_whole"], result["pool"]
     assert result["drain"] == {"calls": 3, "finished_whole": 3, "exit_code": 0, "processes_left": 0}
     assert passed(result, max_rss_growth_mib=256.0)
