@@ -118,17 +118,17 @@ class EngineActor:
 
     def _loop(self) -> None:
         interval = self.core.config.parallel.worker_health_check_interval_s
-        last_busy = time.monotonic()
+        workers_seen_at = time.monotonic()  # by a step or a health check
         try:
             while not self._stopping.is_set():
                 if not self.core.has_unfinished_requests():
                     self._have_work.wait(0.05)
                     self._have_work.clear()
-                    if interval and time.monotonic() - last_busy >= interval:
-                        last_busy = time.monotonic()
+                    if interval and time.monotonic() - workers_seen_at >= interval:
+                        workers_seen_at = time.monotonic()
                         self._publish(self.core.check_workers())
                     continue
-                last_busy = time.monotonic()  # a step checks the workers itself
+                workers_seen_at = time.monotonic()  # a step checks the workers itself
                 self._publish(self.core.step())
         except Exception as e:  # the engine is unusable; callers get a clear error from now on
             logger.exception("engine loop died")

@@ -140,9 +140,11 @@ class RayExecutor(Executor):
         compiled: CompiledDAG = dag.experimental_compile()
         return compiled
 
-    def _wait_all(self, refs: list[Any], what: str) -> list[Any]:
+    def _wait_all(self, refs: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
+        """The refs' results, within timeout_s (default ray_start_timeout_s); a failure or a
+        timeout marks the group failed and raises WorkerGroupError."""
         try:
-            return ray.get(refs, timeout=self.config.parallel.ray_start_timeout_s)
+            return ray.get(refs, timeout=timeout_s or self.config.parallel.ray_start_timeout_s)
         except _GROUP_FAILURES as e:
             self._failed = True
             raise WorkerGroupError(f"worker group failed in {what}: {e}") from e
@@ -190,11 +192,8 @@ class RayExecutor(Executor):
     def check_health(self) -> None:
         # A plain call on each actor (beside the compiled graph's loop): a dead actor fails it at
         # once, a stopped or wedged one is hung by the step's own bound.
-        try:
-            ray.get([w.pid.remote() for w in self.workers], timeout=self.config.parallel.step_timeout_s)
-        except _GROUP_FAILURES as e:
-            self._failed = True
-            raise WorkerGroupError(f"a tensor-parallel worker failed its health check: {e}") from e
+        self._wait_all([w.pid.remote() for w in self.workers], "health check",
+                       self.config.parallel.step_timeout_s)
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
