@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from benchmarks.lib.chaos_target import ChaosTarget, PoolReport
 from benchmarks.lib.launched_server import LaunchedServer
@@ -137,21 +137,59 @@ class ServeTarget(ChaosTarget):
 
     # ---- ChaosTarget ---------------------------------------------------------------------------
     def serving(self) -> bool:
-        """As many engine replicas as asked, each answering, and a two-token request served."""
+        """As many engine replicas as asked, each one serving a two-token request pinned to it
+        (its engine steps its workers: a replica whose worker died is not serving until its
+        engine has restarted them), and a two-token request through the ingress's gRPC."""
         from raypaged.client import Client
 
         try:
             replicas = self.engine_replicas()
             if len(replicas) < self.num_replicas:
                 return False
-            for replica in replicas:
-                self.engine_stats(replica, timeout_s=3.0)
+            if not all(self.generate_pinned(replica, 2, timeout_s=5.0) == 2 for replica in replicas):
+                return False
             assert self.address is not None
             with Client(self.address) as client:
                 result = client.generate([3, 4, 5], max_tokens=2, temperature=0.0, ignore_eos=True, timeout=5.0)
             return len(result.outputs[0].token_ids) == 2
         except Exception:  # noqa: BLE001 - a replica starting or gone, a probe refused: not yet
             return False
+
+    def generate_pinned(self, replica: str, max_tokens: int, timeout_s: float) -> int:
+        """The tokens a greedy request of max_tokens, sent to that engine replica alone (past
+        the ingress), streamed back."""
+        import uuid
+
+        from ray import serve
+        from ray.serve.handle import DeploymentResponseGenerator
+
+        from raypaged.core.outputs import EngineCoreOutput
+        from raypaged.core.request import Request
+        from raypaged.core.sampling_params import SamplingParams
+        from raypaged.serve.route_hint import RouteHint
+
+        request = Request(f"probe-{uuid.uuid4().hex}", [3, 4, 5],
+                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        handle = serve.get_deployment_handle(ENGINE, APP).options(stream=True)
+        stream = cast(DeploymentResponseGenerator,
+                      handle.generate.remote(request, timeout_s, route=RouteHint(pin=replica)))
+        tokens = [0]
+
+        def drain() -> None:
+            try:
+                tokens[0] = sum(len(item.new_token_ids) for item in stream if isinstance(item, EngineCoreOutput))
+            except Exception:  # noqa: BLE001 - cancelled below, or the replica failed it: no tokens
+                pass
+
+        # A call pinned to a replica that is gone waits for it to come back (the router backs
+        # off and asks again), and a stream's iteration takes no timeout: bound it here.
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if reader.is_alive():
+            stream.cancel()
+            return 0
+        return tokens[0]
 
     def settle(self, timeout_s: float = 15.0) -> PoolReport:
         """Whole: the ingress holds no stream and every engine replica is idle with its pool whole."""
