@@ -7,7 +7,12 @@ benchmark_serving.py), with one of two traces:
     bash scripts/gpu.sh serving serving-multiturn         # the H200 runs: 8B-shaped, bf16, random weights
 
 --trace sharegpt (default): modes paged and contiguous (`--kv-cache-mode contiguous`: every
-request reserves max_model_len slots when it starts). For each rate, ascending, N requests are
+request reserves max_model_len slots when it starts). Mode shed (overload): paged, with the front door shedding
+past --shed-waiting-requests waiting calls or at --shed-kv-usage of the pool (RESOURCE_EXHAUSTED with
+a Retry-After); run at rates past what the server sustains beside mode paged (the servers' default
+bound of 1,024, which a burst never reaches), it shows what shedding buys the admitted calls: per
+rate the calls shed, how fast they were answered, the Retry-After told, and the server's RSS.
+For each rate, ascending, N requests are
 sent with exponential gaps (seeded) and streamed: the simulator's ShareGPT-like trace (prompt ≈
 160, output ≈ 340 tokens, lognormal tails), random prompt ids of the trace's lengths (fresh ids
 at every rate, so the prefix cache cannot serve one rate from the last), each with max_tokens =
@@ -91,12 +96,13 @@ from raypaged.client import Client
 
 # Each trace's modes (the first two run by default; multitenant: all four), and the flags that make
 # a server of each (after the user's, so they win). The host-tier modes also get --kv-offload-size.
-TRACE_MODES = {"sharegpt": ("paged", "contiguous"),
+TRACE_MODES = {"sharegpt": ("paged", "contiguous", "shed"),
                "multiturn": ("prefix-cache", "no-prefix-cache", "host-tier", "host-tier-swap"),
                "multitenant": ("prefix", "p2c", "round-robin", "one-engine")}
 MODE_FLAGS = {
     "paged": ["--kv-cache-mode", "paged"],
     "contiguous": ["--kv-cache-mode", "contiguous"],
+    "shed": ["--kv-cache-mode", "paged"],
     "prefix-cache": ["--kv-cache-mode", "paged", "--enable-prefix-caching"],
     "no-prefix-cache": ["--kv-cache-mode", "paged", "--no-enable-prefix-caching"],
     "host-tier": ["--kv-cache-mode", "paged", "--enable-prefix-caching", "--preemption-mode", "recompute"],
@@ -117,6 +123,9 @@ CPU_NUM_KV_BLOCKS = 256
 # On the demo model on 2 cores the chat trace's default shape saturates the CPU at ~1 conversation a second.
 DEFAULT_RATES = {"sharegpt": "1,2,4,8,16,32", "multiturn": "0.5,1,2", "multitenant": "1"}
 SHAREGPT_CPU_MAX_TOTAL_LEN = 512
+# Mode shed: a waiting bound of a few seconds of the CPU run's throughput (~4 requests a
+# second), against the servers' default of 1,024 (mode paged), which a burst never reaches.
+SHED_WAITING_REQUESTS, SHED_KV_USAGE = 8, 0.95
 
 
 def trace_requests(count: int, max_model_len: int, vocab_size: int, seed: int,
@@ -156,6 +165,9 @@ def run_mode(mode: str, launch_args: list[str], num_blocks: int | None,
     flags = [*launch_args, *MODE_FLAGS[mode]]
     if mode.startswith("host-tier"):
         flags += ["--kv-offload-size", str(args.kv_offload_size)]
+    if mode == "shed":
+        flags += ["--max-waiting-requests", str(args.shed_waiting_requests),
+                  "--shed-kv-usage", str(args.shed_kv_usage)]
     if num_blocks:
         # The pool of every replica together: one engine with it all, or an equal share each.
         total = num_blocks * (1 if mode in MODE_REPLICAS else 2 if args.trace == "multitenant" else 1)
@@ -275,6 +287,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              + "). host-tier: prefix caching with a host tier of "
                              "--kv-offload-size GiB behind the pool (-swap: and swap preemption); "
                              "it pays when the trace's reusable KV outgrows the pool (--num-kv-blocks)")
+    parser.add_argument("--shed-waiting-requests", type=int, default=SHED_WAITING_REQUESTS,
+                        help="mode shed: the front door's waiting bound (--max-waiting-requests)")
+    parser.add_argument("--shed-kv-usage", type=float, default=SHED_KV_USAGE,
+                        help="mode shed: shed while the pool is this full and requests wait")
     parser.add_argument("--kv-offload-size", type=float, default=HOST_TIER_CPU_GIB,
                         help="GiB per rank of the host-tier modes' host pool")
     parser.add_argument("--slo-ttft-s", type=float, default=1.0)

@@ -72,6 +72,7 @@ async def send(client: AsyncClient, prompt: list[int], output_len: int, due: flo
             last = now
     except RequestError as e:
         timing.error = f"{e.code.name}: {e.message}"
+        timing.error_s, timing.retry_after_s = time.perf_counter() - sent, e.retry_after_s
         return timing
     timing.e2e_s = last - sent
     if timing.output_tokens != output_len:

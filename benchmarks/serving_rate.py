@@ -21,20 +21,23 @@ from benchmarks.soak import LaunchedServer, scrape
 from raypaged.frontend.server import ServerConfig
 
 
-async def sample_metrics(metrics_url: str, samples: list[dict], done: asyncio.Event,
+async def sample_metrics(server: LaunchedServer, samples: list[dict], done: asyncio.Event,
                          interval_s: float = 1.0) -> None:
     """Scrapes the KV gauges until `done`, once a second (the frontend polls the engine's stats
-    into them once a second: faster only repeats values). The scrape blocks, so it runs in a
-    thread, off the loop that times the streams."""
+    into them once a second: faster only repeats values), with the server's RSS (every process
+    of its session) beside them. The scrape blocks, so it runs in a thread, off the loop that
+    times the streams."""
     started = time.perf_counter()
     while not done.is_set():
         try:
-            metrics = await asyncio.to_thread(scrape, metrics_url)
+            metrics = await asyncio.to_thread(scrape, server.metrics_url)
         except OSError:  # a failed scrape leaves a gap in the record, nothing more
             metrics = None
         if metrics is not None:
             sample = {"seconds": round(time.perf_counter() - started, 2)}
             sample.update({name: metrics.get(f"raypaged_{name}") for name in KV_GAUGES})
+            rss = await asyncio.to_thread(server.rss_by_process)
+            sample["server_rss_mib"] = round(sum(size for _, size in rss.values()) / 2**20, 1)
             samples.append(sample)
         try:
             await asyncio.wait_for(done.wait(), interval_s)
@@ -55,7 +58,7 @@ def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argpar
 
     async def measure():
         done = asyncio.Event()
-        sampler = asyncio.create_task(sample_metrics(server.metrics_url, samples, done))
+        sampler = asyncio.create_task(sample_metrics(server, samples, done))
         try:
             return await load.run(server.address, rate, args.channels)
         finally:
@@ -74,5 +77,7 @@ def run_rate(server: LaunchedServer, info, load: Load, rate: float, args: argpar
     result["host_tier"] = host_tier_summary(before, after, ran.wall_s)
     result["kv"] = kv_summary(samples, info.block_size)
     result["kv_samples"] = samples
+    rss = [x["server_rss_mib"] for x in samples]
+    result["server_rss_mib"] = {"first": rss[0], "peak": max(rss), "last": rss[-1]} if rss else None
     return result
 

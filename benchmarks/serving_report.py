@@ -24,6 +24,9 @@ class Timing:
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # of the prompt, served from the prefix cache (the usage's)
     error: str | None = None
+    # A refused or failed call: seconds from sending to the error, and the Retry-After it carried.
+    error_s: float = math.nan
+    retry_after_s: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -59,8 +62,11 @@ def max_rate_meeting(rates: list[dict], slo_ttft_s: float) -> float | None:
 
 
 def should_stop(result: dict, stop_ttft_s: float) -> bool:
-    """Past this, higher rates only lengthen the queue: stop the mode's sweep."""
-    return bool(result["errors"]) or not result["ttft"]["p99_ms"] < 1e3 * stop_ttft_s
+    """Past this, higher rates only lengthen the queue: stop the mode's sweep. A call shed at the
+    front door is the server bounding its queue, not a failure: a shedding server is swept on
+    while the calls it admits start in time."""
+    failed = result["errors"] - result.get("shed", 0)
+    return bool(failed) or not result["ttft"]["p99_ms"] < 1e3 * stop_ttft_s
 
 
 KV_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -145,6 +151,7 @@ def replica_summary(before: dict[str, float], after: dict[str, float]) -> list[d
 
 def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
     done = [t for t in timings if t.error is None]
+    shed = [t for t in timings if t.error is not None and t.error.startswith("RESOURCE_EXHAUSTED")]
     output_tokens = sum(t.output_tokens for t in done)
     tpot = [(t.e2e_s - t.ttft_s) / (t.output_tokens - 1) for t in done if t.output_tokens > 1]
     return {
@@ -163,6 +170,11 @@ def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
         "normalized_latency": distribution([t.e2e_s / t.output_tokens for t in done]),
         "e2e": distribution([t.e2e_s for t in done]),
         "send_lateness": distribution([t.late_s for t in timings]),
+        # Overload: the calls shed at the front door (RESOURCE_EXHAUSTED), how fast they were
+        # answered, and the Retry-After they were told.
+        "shed": len(shed),
+        "shed_answer": distribution([t.error_s for t in shed]),
+        "shed_retry_after_s": distribution([t.retry_after_s for t in shed if t.retry_after_s is not None]),
     }
 
 
@@ -173,6 +185,14 @@ def rate_unit(record: dict) -> str:
 
 def hit_rate(r: dict) -> float | None:
     return r.get("prefix_cache", {}).get("hit_rate")
+
+
+def shed_text(r: dict) -> str:
+    """The overload part of a rate's line: empty when nothing was shed."""
+    if not r.get("shed"):
+        return ""
+    return (f"shed {r['shed']} (answered in p99 {r['shed_answer']['p99_ms']:.0f} ms, Retry-After p50 "
+            f"{r['shed_retry_after_s']['p50_ms'] / 1e3:.0f} s); ")
 
 
 def print_rate(mode: str, r: dict, unit: str = "req/s") -> None:
@@ -186,7 +206,7 @@ def print_rate(mode: str, r: dict, unit: str = "req/s") -> None:
           f"{r['duration_s']:.1f} s, {r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 "
           f"{r['ttft']['p50_ms']:.0f}/{r['ttft']['p99_ms']:.0f} ms, ITL p50/p99 "
           f"{r['itl']['p50_ms']:.0f}/{r['itl']['p99_ms']:.0f} ms, E2E p99 {r['e2e']['p99_ms'] / 1e3:.1f} s; "
-          f"{hits}running {kv.get('mean_running', 0):.1f} (peak {kv.get('peak_running', 0)}), "
+          f"{hits}{shed_text(r)}running {kv.get('mean_running', 0):.1f} (peak {kv.get('peak_running', 0)}), "
           f"pool {kv.get('mean_pool_usage', 0):.0%}; send late p99 {r['send_lateness']['p99_ms']:.0f} ms",
           flush=True)
 

@@ -13,6 +13,7 @@ import random
 import statistics
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -30,7 +31,7 @@ from benchmarks.serving_report import (
     should_stop,
     summarize_rate,
 )
-from raypaged.client import CompletionChunk, StreamChunk, Usage
+from raypaged.client import CompletionChunk, RequestError, StreamChunk, Usage
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 100, 1001])
@@ -153,6 +154,51 @@ def test_summary_counts_only_completed_requests():
     assert result["tpot"]["mean_ms"] == pytest.approx(150)  # (e2e - ttft) / (tokens - 1)
     assert result["normalized_latency"]["mean_ms"] == pytest.approx(1e3 * (1.1 + 2.3) / 2 / 11)
     assert result["e2e"]["p99_ms"] == pytest.approx(1e3 * (1.1 + 0.99 * 1.2))
+
+
+class SheddingClient:
+    """Refuses every call as a shedding front door does."""
+
+    async def stream(self, prompt, **params):
+        await asyncio.sleep(0.01)
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "3 requests waiting (bound 3)", retry_after_s=2.0)
+        yield  # an async generator, as the real client's stream is
+
+
+def test_a_shed_call_is_timed_and_counted_apart_from_failures():
+    timing = asyncio.run(send(SheddingClient(), [5], output_len=3, due=time.perf_counter()))
+    assert timing.error == "RESOURCE_EXHAUSTED: 3 requests waiting (bound 3)"
+    assert timing.retry_after_s == 2.0 and 0.01 <= timing.error_s < 5.0
+    done = Timing(late_s=0.0, ttft_s=0.1, e2e_s=0.2, gaps_s=[0.1], output_tokens=2)
+    shed = [Timing(0.0, error="RESOURCE_EXHAUSTED: full", error_s=0.004, retry_after_s=3.0),
+            Timing(0.0, error="RESOURCE_EXHAUSTED: full", error_s=0.002, retry_after_s=1.0)]
+    result = summarize_rate(4.0, [done, *shed], wall_s=1.0)
+    assert (result["completed"], result["errors"], result["shed"]) == (1, 2, 2)
+    assert result["shed_answer"]["p50_ms"] == pytest.approx(3.0)
+    assert result["shed_retry_after_s"]["mean_ms"] == pytest.approx(2e3)
+    assert not should_stop(result, stop_ttft_s=1.0)  # shedding is the bound working, not a failure
+    failed = summarize_rate(4.0, [done, *shed, Timing(0.0, error="UNAVAILABLE: gone")], wall_s=1.0)
+    assert failed["shed"] == 2 and should_stop(failed, stop_ttft_s=1.0)
+
+
+@pytest.mark.integration
+def test_the_shed_mode_end_to_end_on_the_demo_model(tmp_path):
+    """--modes shed under a burst far past what the demo model serves: the front door's waiting
+    bound (4) refuses some calls at once with a Retry-After, every call it admits streams in
+    full, and nothing else fails; the server's RSS is sampled beside the KV gauges."""
+    code = bench_serving.main(["--modes", "shed", "--rates", "500", "--num-requests", "32",
+                               "--shed-waiting-requests", "4", "--out", str(tmp_path), "--name", "shed"])
+    assert code == 0
+    record = json.loads((tmp_path / "serving_shed.json").read_text())
+    mode = record["shed"]
+    assert "--max-waiting-requests" in mode["launch_args"]
+    (rate,) = mode["rates"]
+    assert rate["requests"] == 32 and rate["shed"] >= 1
+    assert rate["errors"] == rate["shed"]  # every other call admitted and streamed whole
+    assert rate["completed"] == 32 - rate["shed"] >= 4
+    assert rate["shed_retry_after_s"]["p50_ms"] >= 1e3  # told when to come back: >= 1 s
+    assert rate["server_rss_mib"]["peak"] > 0
+    assert all(x["server_rss_mib"] > 0 for x in rate["kv_samples"])
 
 
 def kv_sample(running: int, allocated: int, filled: int, usage: float, waiting: int = 0) -> dict:
