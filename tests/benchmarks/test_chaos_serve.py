@@ -23,6 +23,7 @@ from benchmarks.lib.chaos_serve import ServeTarget
 from tests.support.checkpoints import checkpoint_dir
 
 APP_ARGS = {"num_gpu_blocks_override": 48, "max_num_seqs": 8, "block_size": 8}
+EVERY_SERVE_FAULT = tuple(sorted(ServeTarget.fault_kinds))
 
 
 def test_each_target_takes_its_own_fault_kinds():
@@ -66,4 +67,24 @@ def test_serve_chaos_short():
     # ends: only the idle engine's health check finds it (its recovery is asserted above).
     assert result["pool_whole"], result["pool"]
     assert result["drain"] == {"calls": 3, "finished_whole": 3, "exit_code": 0, "processes_left": 0}
+    assert passed(result, max_rss_growth_mib=256.0)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_serve_chaos_long_every_fault_kind():
+    """The long Serve soak: every fault kind of the Serve target, twice over a seeded schedule —
+    replicas killed, engine actors and workers SIGKILLed, workers hung — and the whole verdict
+    (`passed`: nothing lost or changed, every fault recovered, pools whole, RSS and object
+    store bounded, the drain whole)."""
+    config = ChaosConfig(num_calls=300, concurrency=10, num_faults=6, fault_kinds=EVERY_SERVE_FAULT, seed=5,
+                         target="serve", sample_interval_s=1.0, mix=ChaosMix(max_prompt_tokens=32, max_new_tokens=32),
+                         call_bound_s=300, recover_bound_s=180, drain_calls=3)
+    result = run_chaos([], config, log=print, app_args={"model": str(checkpoint_dir("llama")), **APP_ARGS})
+    assert result["lost"] == 0, result["lost_examples"]
+    assert result["mismatches"] == 0, result["mismatch_examples"]
+    assert len(result["faults"]) == 6 and all(f["recovered_after_s"] is not None for f in result["faults"]), \
+        result["faults"]
+    assert {f["kind"] for f in result["faults"]} == set(EVERY_SERVE_FAULT), result["faults"]
+    assert result["pool_whole"], result["pool"]
     assert passed(result, max_rss_growth_mib=256.0)
