@@ -73,6 +73,7 @@ from benchmarks.lib.kv_memory import KVSample, memory_summary, sample_kv
 from benchmarks.lib.precisions import Precision, baseline_of, parse_precisions
 from benchmarks.lib.published_peers import published_for
 from benchmarks.lib.sharegpt import BenchRequest, sharegpt_requests
+from benchmarks.lib.step_profile import StepProfiler
 from benchmarks.lib.throughput_plot import save_plot
 from benchmarks.lib.throughput_report import add_ratios, print_table
 from raypaged import LLM, SamplingParams
@@ -88,10 +89,11 @@ PROGRESS_EVERY_S = 30.0  # a line in the log this often: a GPU run cut by its ti
 
 
 def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device: torch.device,
-               label: str = "") -> dict:
+               label: str = "", profiler: StepProfiler | None = None) -> dict:
     """Submit every request at once, step the engine until all are done. Timed from the first
     submission to the last token. Raises RuntimeError if any request fails or the tokens
-    generated are not exactly those asked for."""
+    generated are not exactly those asked for. With a profiler, its window of steps is traced
+    (lib/step_profile.py) and recorded as "step_profile"."""
     engine = llm.engine
     # Warm-up on a few of the requests, cut short: compiles the kernels for prefill, decode and
     # mixed steps (Triton specializes on some sizes) outside the timed run.
@@ -107,11 +109,17 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
         engine.add_request(Request(f"bench-{i}", list(r.prompt_token_ids), params))
     while engine.has_unfinished_requests():
+        if profiler is not None:
+            stats = engine.scheduler.stats()
+            profiler.before_step(steps + 1, stats.num_running, stats.num_waiting)
         for out in engine.step():
             if out.error:
                 raise RuntimeError(f"request {out.req_id} failed: {out.error}")
             generated += len(out.new_token_ids)
         steps += 1
+        if profiler is not None:
+            stats = engine.scheduler.stats()
+            profiler.after_step(steps, stats.num_running, stats.num_waiting)
         if steps % stats_every == 0:
             samples.append(sample_kv(engine, time.perf_counter() - start, steps))
             if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
@@ -129,6 +137,7 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
         "num_kv_blocks": engine.num_blocks, "max_model_len": engine.max_model_len,
         "memory": memory_summary(samples, engine.num_blocks * block_size, block_size),
         "samples": [asdict(s) for s in samples],
+        "step_profile": None if profiler is None else profiler.result,
     }
 
 
@@ -166,6 +175,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="both raypaged modes with asynchronous scheduling (default on, as "
                              "the engine; off: the file name ends in _sync)")
     parser.add_argument("--stats-every", type=int, default=4, help="sample KV stats every N steps")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="trace this many engine steps of each run (lib/step_profile.py: the GPU's "
+                             "kernels by family per step), from --profile-from-step; 0: none")
+    parser.add_argument("--profile-from-step", type=int, default=200,
+                        help="the first traced step (a run shorter than the window records none)")
     parser.add_argument("--hf-requests", type=int, default=16, help="0: skip transformers")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--hf-max-time", type=float, default=None,
@@ -202,7 +216,8 @@ def run_mode(model_dir: Path, mode: str, precision: Precision, args: argparse.Na
     init_seconds = time.perf_counter() - start
     label = f"{precision.name} {mode}"
     try:
-        result = run_engine(llm, requests, args.stats_every, device, label)
+        profiler = StepProfiler(args.profile_from_step, args.profile_steps, device) if args.profile_steps else None
+        result = run_engine(llm, requests, args.stats_every, device, label, profiler)
     finally:
         llm.shutdown()
         del llm
@@ -214,6 +229,11 @@ def run_mode(model_dir: Path, mode: str, precision: Precision, args: argparse.Na
     print(f"[{label}] {result['output_tokens_per_s']:.0f} output tok/s in {result['seconds']:.1f} s "
           f"(start-up {init_seconds:.0f} s); {result['num_kv_blocks']} blocks; mean running "
           f"{mem.get('mean_running', 0):.1f}; {result['preemptions']} preemptions", flush=True)
+    if (window := result["step_profile"]) is not None:
+        print(f"[{label}] steps {args.profile_from_step}-{args.profile_from_step + window['steps'] - 1} traced: "
+              f"{window['wall_ms_per_step']:.2f} ms a step, GPU busy {window['busy_ms_per_step']:.2f}; "
+              + ", ".join(f"{family} {ms:.2f}" for family, ms in window["families_ms_per_step"].items()),
+              flush=True)
     return result
 
 

@@ -54,6 +54,10 @@
 #   throughput   1,000 ShareGPT-like requests: paged, contiguous, transformers -> throughput_8b_h200.json, .png, ~6
 #   throughput-fp8  the same 1,000 requests, paged, at bf16 and at FP8 weights + FP8 KV (issue 22: fp8 / bf16
 #                >= 1.5x) -> throughput_8b-fp8_h200.json, .png, ~3 (estimated; not yet run)
+#   throughput-fp8-steps  the same at bf16, FP8 weights alone, FP8 KV alone and both, 20 mid-run steps of
+#                each traced (GPU time a step by kernel family: GEMMs, the activations' quantization,
+#                attention over the FP8 pool): what makes the FP8 step slower -> throughput_8b-fp8-steps_<device>.json,
+#                .png, ~6 (estimated; not yet run)
 #   throughput-fixed  1,000 requests of exactly 1,000 prompt / 1,000 output tokens at once, paged, fp8 then
 #                bf16, beside TensorRT-LLM's published 17,744 tok/s (Llama-3.1-8B FP8, one H200; recorded,
 #                not measured) -> throughput_8b-fixed-fp8_h200.json, .png, ~5 (estimated; not yet run; the
@@ -91,7 +95,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 LOG_DIR=${OUT:-/tmp/raypaged_gpu}
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 ONE_GPU=(tests kernels decode decode-families trace phases model model-fp8 gemv gemv-fp8 quality prefill throughput
-         throughput-fp8 throughput-fixed reservation
+         throughput-fp8 throughput-fp8-steps throughput-fixed reservation
          kvcapacity serving serving-multiturn serving-multitenant serving-host-tier serving-swap channel staging
          sampler structured chaos)
 # NVLink multicast can take the host's GPUs out of service (issue 10): never on.
@@ -219,6 +223,12 @@ print(table_path(torch.cuda.get_device_name()))')
             --precisions bf16,fp8 --modes paged --num-requests 1000 --max-total-len 2048 --max-num-seqs 512 \
             --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --stats-every 8 --hf-requests 0 \
             --out "$OUT_DIR" ;;
+        # Where the FP8 step's time goes: each FP8 part alone and both beside bf16, 20 steps of
+        # each run traced mid-run (kernels by family a step).
+        throughput-fp8-steps) bench throughput-fp8-steps 540 python3 -m benchmarks.bench_throughput --shape 8b \
+            --precisions bf16,fp8-weights,fp8-kv,fp8 --modes paged --num-requests 1000 --max-total-len 2048 \
+            --max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --stats-every 8 \
+            --hf-requests 0 --profile-steps 20 --profile-from-step 300 --name 8b-fp8-steps --out "$OUT_DIR" ;;
         # 1M prompt and 1M output tokens a precision; fp8 first, the figure set beside the published one.
         throughput-fixed) bench throughput-fixed 560 python3 -m benchmarks.bench_throughput --shape 8b \
             --workload fixed --input-len 1000 --output-len 1000 --num-requests 1000 --precisions fp8,bf16 \

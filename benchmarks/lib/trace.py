@@ -100,8 +100,14 @@ def layer_profile(timeline: list[tuple[float, float, str]]) -> dict[str, list[fl
 
 def kernel_family(name: str) -> str:
     """A kernel's name as the plot groups it."""
-    for key, family in [("nvjet", "cuBLAS GEMM"), ("gemv", "skinny GEMM"), ("Kernel2", "cuBLAS GEMM"),
-                        ("splitKreduce", "cuBLAS GEMM"), ("decode", "attention"),
+    # The FP8 keys first: an FP8 GEMM's name may also hold a generic GEMM key below.
+    for key, family in [("w8a8", "fused W8A8 GEMM"), ("f8f8", "FP8 GEMM (scaled_mm)"),
+                        ("fp8_quant", "FP8 activation quantization"), ("quantize", "FP8 activation quantization"),
+                        ("_one_row_kernel", "FP8 skinny GEMM"),
+                        ("nvjet", "cuBLAS GEMM"), ("gemv", "skinny GEMM"), ("Kernel2", "cuBLAS GEMM"),
+                        ("splitKreduce", "cuBLAS GEMM"), ("cutlass", "CUTLASS GEMM"), ("gemm", "GEMM (other)"),
+                        ("decode", "attention"), ("_merge_kernel", "attention"), ("_plan_kernel", "attention"),
+                        ("prefill", "attention"), ("attention", "attention"),
                         ("rms_norm", "RMSNorm"), ("rope", "rope"), ("silu", "SwiGLU"),
                         ("write_kv", "KV write")]:
         if key in name:

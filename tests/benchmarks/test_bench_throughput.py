@@ -73,6 +73,46 @@ def test_engine_run_counts_every_token_and_records_memory(mode):
         assert all(s["allocated_slots"] == 64 * s["running"] for s in result["samples"])
 
 
+def test_a_step_window_is_traced_once_and_the_run_is_unchanged():
+    from benchmarks.lib.step_profile import StepProfiler
+
+    prompts = random_prompts([5, 20, 9, 30], vocab(), seed=2)
+    requests = [BenchRequest(p, n) for p, n in zip(prompts, [20, 6, 30, 12])]
+    llm = LLM(str(checkpoint_dir(NAME)), max_model_len=64, num_gpu_blocks_override=12, skip_tokenizer_init=True)
+    try:
+        profiler = StepProfiler(start=3, count=4, device=torch.device("cpu"))
+        traced = run_engine(llm, requests, stats_every=1, device=torch.device("cpu"), profiler=profiler)
+        # A window past the run's last step records nothing.
+        late = StepProfiler(start=10_000, count=2, device=torch.device("cpu"))
+        untraced = run_engine(llm, requests, stats_every=1, device=torch.device("cpu"), profiler=late)
+    finally:
+        llm.shutdown()
+    assert traced["output_tokens"] == untraced["output_tokens"] == sum(r.output_len for r in requests)
+    window = traced["step_profile"]
+    assert window["steps"] == 4 and window["wall_ms_per_step"] > 0
+    assert window["families_ms_per_step"] == {} and window["busy_ms_per_step"] == 0  # no CUDA on CPU
+    running, waiting = window["running_waiting_at_start"]
+    assert 1 <= running + waiting <= len(requests)
+    assert untraced["step_profile"] is None
+    with pytest.raises(ValueError, match="start >= 1"):
+        StepProfiler(start=0, count=1, device=torch.device("cpu"))
+
+
+def test_kernel_families_tell_the_fp8_kernels_apart():
+    from benchmarks.lib.trace import kernel_family
+
+    assert kernel_family("_w8a8_kernel") == "fused W8A8 GEMM"
+    assert kernel_family("_quantize_rows_kernel") == "FP8 activation quantization"
+    assert kernel_family("void fbgemm_gpu::f8f8bf16_rowwise_impl<...>") == "FP8 GEMM (scaled_mm)"
+    assert kernel_family("_one_row_kernel") == "FP8 skinny GEMM"
+    assert kernel_family("_gemv_kernel") == "skinny GEMM"
+    assert kernel_family("nvjet_tst_128x256_64x4") == "cuBLAS GEMM"
+    assert kernel_family("_prefill_kernel") == kernel_family("_decode_kernel") == "attention"
+    assert kernel_family("_merge_kernel") == "attention"
+    assert kernel_family("_write_kv_kernel") == "KV write"
+    assert kernel_family("elementwise_kernel") == "other"
+
+
 def test_transformers_static_batches_count_only_asked_tokens():
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19]]
     requests = [BenchRequest(p, n) for p, n in zip(prompts, [3, 9, 2, 5])]
