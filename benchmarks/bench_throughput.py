@@ -88,21 +88,32 @@ CPU_NUM_KV_BLOCKS = 512
 PROGRESS_EVERY_S = 30.0  # a line in the log this often: a GPU run cut by its timeout still says how far it got
 
 
+def warm_up(llm: LLM, requests: list[BenchRequest], max_tokens: int) -> float:
+    """The whole workload once, untimed, each request cut to max_tokens: the timed run then meets
+    no step shape for the first time (Triton compiling a kernel's specialization, the allocator
+    growing: one-off costs that otherwise land in its first steps; benchmarks/README.md, the FP8
+    throughput row). Each prompt reversed, so that its blocks hash apart from the timed run's and
+    the prefix cache serves it nothing. Returns the seconds."""
+    started = time.perf_counter()
+    if max_tokens > 0:
+        prompts = [{"prompt_token_ids": list(reversed(r.prompt_token_ids))} for r in requests]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return time.perf_counter() - started
+
+
 def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device: torch.device,
-               label: str = "", profiler: StepProfiler | None = None) -> dict:
+               label: str = "", profiler: StepProfiler | None = None, warm_up_tokens: int = 16) -> dict:
     """Submit every request at once, step the engine until all are done. Timed from the first
     submission to the last token. Raises RuntimeError if any request fails or the tokens
     generated are not exactly those asked for. With a profiler, its window of steps is traced
     (lib/step_profile.py) and recorded as "step_profile"."""
     engine = llm.engine
-    # Warm-up on a few of the requests, cut short: compiles the kernels for prefill, decode and
-    # mixed steps (Triton specializes on some sizes) outside the timed run.
-    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": r.prompt_token_ids[:256]} for r in requests[:8]], warm)
+    warm_up_seconds = warm_up(llm, requests, warm_up_tokens)
     expected = sum(r.output_len for r in requests)
     samples: list[KVSample] = []
     generated = steps = 0
     preemptions_before = engine.scheduler.num_preemptions
+    hits_before = engine.scheduler.stats().kv_cache.prefix_cache_hits
     sync(device)
     start = last_report = time.perf_counter()
     for i, r in enumerate(requests):
@@ -138,6 +149,10 @@ def run_engine(llm: LLM, requests: list[BenchRequest], stats_every: int, device:
         "memory": memory_summary(samples, engine.num_blocks * block_size, block_size),
         "samples": [asdict(s) for s in samples],
         "step_profile": None if profiler is None else profiler.result,
+        "warm_up_seconds": warm_up_seconds,
+        "prefix_cache_hit_tokens": engine.scheduler.stats().kv_cache.prefix_cache_hits - hits_before,
+        # The first sampled window, against the run's mean: what a one-off cost would show as.
+        "first_window": None if not samples else {"steps": samples[0].step, "seconds": samples[0].seconds},
     }
 
 
@@ -175,6 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="both raypaged modes with asynchronous scheduling (default on, as "
                              "the engine; off: the file name ends in _sync)")
     parser.add_argument("--stats-every", type=int, default=4, help="sample KV stats every N steps")
+    parser.add_argument("--warm-up-tokens", type=int, default=16,
+                        help="before each timed run, the whole workload once untimed at this many output "
+                             "tokens a request (0: no warm-up)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="trace this many engine steps of each run (lib/step_profile.py: the GPU's "
                              "kernels by family per step), from --profile-from-step; 0: none")
@@ -217,7 +235,7 @@ def run_mode(model_dir: Path, mode: str, precision: Precision, args: argparse.Na
     label = f"{precision.name} {mode}"
     try:
         profiler = StepProfiler(args.profile_from_step, args.profile_steps, device) if args.profile_steps else None
-        result = run_engine(llm, requests, args.stats_every, device, label, profiler)
+        result = run_engine(llm, requests, args.stats_every, device, label, profiler, args.warm_up_tokens)
     finally:
         llm.shutdown()
         del llm

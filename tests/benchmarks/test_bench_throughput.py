@@ -64,6 +64,8 @@ def test_engine_run_counts_every_token_and_records_memory(mode):
         llm.shutdown()
     assert result["output_tokens"] == sum(r.output_len for r in requests)
     assert len(result["samples"]) == result["engine_steps"]
+    # The untimed warm-up ran the workload first; its reversed prompts left the timed run no hits.
+    assert result["warm_up_seconds"] > 0 and result["prefix_cache_hit_tokens"] == 0
     memory = result["memory"]["all_steps"]
     if mode == "paged":  # waste is under one block per request
         assert memory["unfilled_slots_per_running_request"] < 16
