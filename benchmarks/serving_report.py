@@ -174,7 +174,7 @@ def summarize_rate(rate: float, timings: list[Timing], wall_s: float) -> dict:
         # answered, and the Retry-After they were told.
         "shed": len(shed),
         "shed_answer": distribution([t.error_s for t in shed]),
-        "shed_retry_after_s": distribution([t.retry_after_s for t in shed if t.retry_after_s is not None]),
+        "shed_retry_after": distribution([t.retry_after_s for t in shed if t.retry_after_s is not None]),
     }
 
 
@@ -192,7 +192,7 @@ def shed_text(r: dict) -> str:
     if not r.get("shed"):
         return ""
     return (f"shed {r['shed']} (answered in p99 {r['shed_answer']['p99_ms']:.0f} ms, Retry-After p50 "
-            f"{r['shed_retry_after_s']['p50_ms'] / 1e3:.0f} s); ")
+            f"{r['shed_retry_after']['p50_ms'] / 1e3:.0f} s); ")
 
 
 def print_rate(mode: str, r: dict, unit: str = "req/s") -> None:

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.lib.common import sync
-from benchmarks.lib.trace import kernel_family
+from benchmarks.lib.trace import cuda_kernels, kernel_family
 
 TOP_KERNELS = 16
 
@@ -63,10 +63,7 @@ def summarize(prof: profile, steps: int, wall_s: float, batch_at_start: tuple[in
               batch_at_end: tuple[int, int]) -> dict[str, Any]:
     """The window's record: ms per step of wall time, of GPU busy time, per kernel family and
     per kernel (the top ones), and the batch at its two ends."""
-    kernels: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] += event.device_time_total / 1e3  # µs -> ms
+    kernels = {name: us / 1e3 for name, us in cuda_kernels(prof)[0].items()}
     families: dict[str, float] = defaultdict(float)
     for name, ms in kernels.items():
         families[kernel_family(name)] += ms / steps

@@ -42,12 +42,7 @@ def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
     engine.abort_requests(ids)
     engine.step()
     engine.step()
-    kernels: dict[str, float] = defaultdict(float)
-    timeline = []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] += event.device_time_total
-            timeline.append((event.time_range.start, event.time_range.end, event.name))
+    kernels, timeline = cuda_kernels(prof)
     busy_us = sum(kernels.values()) / steps
     if device.type == "cuda" and not kernels:
         print("warning: no CUDA kernel events in the trace: busy time unknown", flush=True)
@@ -56,6 +51,17 @@ def trace_steps(llm: LLM, batch: int, context: int, steps: int, vocab: int,
             "idle_share": 1 - busy_us / 1e3 / (wall / steps * 1e3),
             "top_kernels_ms": [(name[:90], total / steps / 1e3) for name, total in top],
             "per_layer_us": layer_profile(sorted(timeline))}
+
+
+def cuda_kernels(prof: profile) -> tuple[dict[str, float], list[tuple[float, float, str]]]:
+    """A trace's CUDA kernels: µs by kernel name (summed), and each launch's (start, end, name)."""
+    kernels: dict[str, float] = defaultdict(float)
+    timeline = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.device_time_total
+            timeline.append((event.time_range.start, event.time_range.end, event.name))
+    return kernels, timeline
 
 
 def layer_profile(timeline: list[tuple[float, float, str]]) -> dict[str, list[float]]:
